@@ -1,0 +1,5 @@
+import sys
+
+from growtrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,180 @@
+"""`growtrain` command line. Only argparse is imported at module level so `--help` is instant;
+each command imports what it needs. User mistakes exit 2 with a message, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXAMPLES = """\
+examples:
+  growtrain run recipes/tiny.yaml                      train (resumes from runs/<name> if it holds checkpoints)
+  growtrain run recipes/tiny.yaml --set stages.0.steps=50 --out runs/try1
+  growtrain validate recipes/tiny.yaml                 check a recipe; exit 2 lists every problem
+  growtrain print-config recipes/tiny.yaml             the recipe with every default filled in
+  growtrain inspect runs/tiny --json                   stage, step, tokens, parameters, growth reports
+  growtrain generate runs/tiny --prompt "The "         sample from the newest checkpoint
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="growtrain",
+        description="Grow a small dense language model, stage by stage, into a deep Mixture-of-Experts model.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="train a recipe, resuming from the newest complete checkpoint", description=(
+        "Train RECIPE stage by stage. Checkpoints, metrics.jsonl and W&B files go to --out. "
+        "If --out already holds checkpoints of this recipe, the run resumes from the newest intact one "
+        "(a damaged one is reported and skipped), so re-running the same command after a crash continues it."
+    ))
+    p.add_argument("recipe", type=Path, help="recipe YAML file")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a recipe field, e.g. --set stages.0.steps=50 --set tracking.wandb.mode=disabled (repeatable)")
+    p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                   help="auto (default): continue from the newest complete checkpoint in --out; never: refuse if --out has "
+                   "checkpoints; PATH: continue from that checkpoint or run directory")
+
+    for name, helptext in (("validate", "check a recipe: exit 0, or exit 2 listing every problem"),
+                           ("print-config", "print the resolved recipe with every default filled in")):
+        p = sub.add_parser(name, help=helptext, description=helptext[0].upper() + helptext[1:] + ".")
+        p.add_argument("recipe", type=Path, help="recipe YAML file")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a field")
+
+    sub.add_parser("schema", help="print the recipe reference (every field, type, default, meaning) as Markdown",
+                   description="Print the recipe reference: every section and field with its type, default and meaning.")
+
+    p = sub.add_parser("inspect", help="show a run's or checkpoint's stage, step, tokens, parameters and growth history",
+                       description="Show where a run stands: stage, step, tokens, parameter counts, and each growth "
+                       "transition with its invariance report. Reads only the checkpoint's meta.json.")
+    p.add_argument("path", type=Path, help="run directory (its newest complete checkpoint) or a checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint", description="Sample a continuation of --prompt from a checkpoint.")
+    p.add_argument("checkpoint", type=Path, help="run directory (its newest complete checkpoint) or a checkpoint directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("\ninterrupted; the newest checkpoint is intact: run the same command to resume", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 — user-facing errors become messages, bugs keep their traceback
+        code = _user_error_code(exc)
+        if code is None:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return code
+
+
+def _user_error_code(exc: Exception) -> int | None:
+    from growtrain.checkpoint import CheckpointError
+    from growtrain.data import DataError
+    from growtrain.recipe import RecipeError
+    from growtrain.stages import GrowthCheckFailed
+
+    if isinstance(exc, (RecipeError, DataError, CheckpointError)):
+        return 2
+    if isinstance(exc, GrowthCheckFailed):
+        return 3
+    from growtrain.train import TrainingDiverged
+
+    if isinstance(exc, TrainingDiverged):
+        return 4
+    return None
+
+
+def cmd_run(args) -> int:
+    from growtrain.recipe import load_recipe
+    from growtrain.train import run
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    out = args.out or Path("runs") / recipe.name
+    result = run(recipe, out, args.resume)
+    print(f"run directory: {result.run_dir}  (growtrain inspect {result.run_dir})")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from growtrain.recipe import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    from growtrain.stages import plan_stage_models
+
+    shapes = plan_stage_models(recipe.model, [s.grow for s in recipe.stages])
+    print(f"{args.recipe}: ok — {len(recipe.stages)} stage(s), {sum(s.steps for s in recipe.stages):,} steps")
+    for stage, shape in zip(recipe.stages, shapes):
+        moe = f", MoE {shape.moe.num_experts} experts top-{shape.moe.top_k} in {len(shape.moe_layers)} layer(s)" if shape.moe else ""
+        print(f"  {stage.name}: {shape.n_layers} blocks, d_model {shape.d_model}{moe}; {stage.steps} steps")
+    return 0
+
+
+def cmd_print_config(args) -> int:
+    from growtrain.recipe import dump_yaml, load_recipe
+
+    print(dump_yaml(load_recipe(args.recipe, args.overrides)), end="")
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from growtrain.recipe import schema_markdown
+
+    print(schema_markdown())
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from growtrain.inspect import inspect_report
+
+    report = inspect_report(args.path)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    from growtrain.inspect import format_report
+
+    print(format_report(report))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from growtrain.generate import generate_from_checkpoint
+
+    text = generate_from_checkpoint(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(text)
+    return 0
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "validate": cmd_validate,
+    "print-config": cmd_print_config,
+    "schema": cmd_schema,
+    "inspect": cmd_inspect,
+    "generate": cmd_generate,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""Corpus loading, the resumable training token stream, and the fixed eval set.
+
+Shape legend: B batch rows, T sequence length (stage's `seq_len`), N tokens in a stream.
+
+A corpus is read once into memory as documents, split into train/eval by a hash of each document's
+text (so the eval set depends on neither the seed nor the document order), tokenized, and packed
+into two flat token tensors. `TokenStream` walks the train tensor sequentially; its whole position
+is `{"cursor", "epoch"}`, so a checkpoint can store it and a resumed run sees the same batches.
+
+torch and datasets are imported inside the functions that need them, so that importing this module
+for `DataConfig` (recipe validation, `--help`) stays instant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal
+
+import numpy as np
+
+from growtrain.tokenizer import DataError, Tokenizer, _first_line, build_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BUILTIN_SOURCES",
+    "Corpus",
+    "DataConfig",
+    "DataError",
+    "TokenStream",
+    "eval_batches",
+    "load_corpus",
+]
+
+_FORMAT_BY_SUFFIX = {
+    ".txt": "text",
+    ".md": "text",
+    ".py": "text",
+    ".json": "jsonl",
+    ".jsonl": "jsonl",
+    ".parquet": "parquet",
+}
+# Name of the `datasets` packaged builder for each of our formats.
+_BUILDER = {"text": "text", "jsonl": "json", "parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training text comes from and how it becomes tokens."""
+
+    source: str = field(
+        default="builtin:pydoc_topics",
+        metadata={
+            "doc": "Corpus: 'builtin:pydoc_topics' (Python's pydoc prose, ~0.5 MB), 'builtin:python_stdlib' "
+            "(the standard library's .py files), a local file or folder, or a Hugging Face hub dataset name."
+        },
+    )
+    format: Literal["auto", "text", "jsonl", "parquet"] = field(
+        default="auto",
+        metadata={
+            "doc": "Format of local files; 'auto' goes by extension (.txt/.md/.py text, .json/.jsonl jsonl, .parquet)."
+        },
+    )
+    text_field: str = field(
+        default="text", metadata={"doc": "Column holding the document text in jsonl, parquet and hub data."}
+    )
+    tokenizer: str = field(
+        default="byte",
+        metadata={"doc": "'byte' (UTF-8 bytes plus EOS, 257 ids) or the path of a local tokenizer.json or its folder."},
+    )
+    eval_fraction: float = field(
+        default=0.05,
+        metadata={
+            "doc": "Share of documents held out for eval loss, chosen by a hash of each document's text.",
+            "gt": 0.0,
+            "lt": 0.5,
+        },
+    )
+    max_bytes: int = field(
+        default=0,
+        metadata={"doc": "Cap on the UTF-8 bytes of text read, taken in document order; 0 means no cap."},
+    )
+    split: str = field(default="train", metadata={"doc": "Split to read from a hub dataset."})
+
+    def problems(self) -> list[str]:
+        """Everything wrong with this config, as messages that say how to fix it (empty when valid)."""
+        found = []
+        formats = ("auto", *_BUILDER)
+        if self.format not in formats:
+            found.append(f"data.format '{self.format}' is not one of {list(formats)}")
+        if not 0.0 < self.eval_fraction < 0.5:
+            found.append(f"data.eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        if self.max_bytes < 0:
+            found.append(f"data.max_bytes must be >= 0 (0 means no cap), got {self.max_bytes}")
+        if not self.text_field:
+            found.append("data.text_field must name a column")
+        return found
+
+
+@dataclass
+class Corpus:
+    tokenizer: Tokenizer
+    train_tokens: torch.Tensor  # (N_train,) int32, documents shuffled by seed, EOS after each
+    eval_tokens: torch.Tensor  # (N_eval,) int32, documents in source order, EOS after each
+    num_documents: int
+    description: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading documents
+
+
+def _pydoc_topics() -> Iterator[str]:
+    from pydoc_data.topics import topics
+
+    # Sorted so the document order does not depend on how the module lists its topics.
+    for key in sorted(topics):
+        yield topics[key]
+
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+def _python_stdlib() -> Iterator[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        paths.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    for path in sorted(paths):
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+BUILTIN_SOURCES: dict[str, Callable[[], Iterator[str]]] = {
+    "builtin:pydoc_topics": _pydoc_topics,
+    "builtin:python_stdlib": _python_stdlib,
+}
+
+
+def _local_files(root: Path, fmt: str) -> tuple[list[Path], str]:
+    """The files to read under `root` (a file or folder) and their format."""
+    if root.is_file():
+        if fmt != "auto":
+            return [root], fmt
+        found = _FORMAT_BY_SUFFIX.get(root.suffix.lower())
+        if found is None:
+            raise DataError(
+                f"cannot tell the format of '{root}' from its extension; set data.format to text, jsonl or parquet"
+            )
+        return [root], found
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in _FORMAT_BY_SUFFIX
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+    if fmt != "auto":
+        files = [p for p in files if _FORMAT_BY_SUFFIX[p.suffix.lower()] == fmt]
+    kinds = sorted({_FORMAT_BY_SUFFIX[p.suffix.lower()] for p in files})
+    if not files:
+        wanted = [s for s, f in _FORMAT_BY_SUFFIX.items() if fmt in ("auto", f)]
+        raise DataError(f"no {'/'.join(wanted)} files under '{root}'")
+    if len(kinds) > 1:
+        raise DataError(f"'{root}' mixes {', '.join(kinds)} files; set data.format to read one kind")
+    return files, kinds[0]
+
+
+def _column_texts(rows: Iterable[dict], text_field: str, where: str, columns: list[str] | None) -> Iterator[str]:
+    if columns is not None and text_field not in columns:
+        raise DataError(f"{where} has no column '{text_field}'; its columns are {columns}; set data.text_field")
+    for row in rows:
+        if text_field not in row:
+            raise DataError(f"{where} has no column '{text_field}'; its columns are {sorted(row)}; set data.text_field")
+        text = row[text_field]
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise DataError(f"{where}: column '{text_field}' holds {type(text).__name__}, not text")
+        yield text
+
+
+def _local_documents(root: Path, cfg: DataConfig) -> Iterator[str]:
+    files, fmt = _local_files(root, cfg.format)
+    import datasets
+
+    kwargs: dict = {"sample_by": "document", "encoding_errors": "replace"} if fmt == "text" else {}
+    try:
+        # Streaming reads the files in order without writing an Arrow cache, and lets max_bytes
+        # stop the read early.
+        ds = datasets.load_dataset(
+            _BUILDER[fmt], data_files=[str(p) for p in files], split="train", streaming=True, **kwargs
+        )
+        if fmt == "text":
+            yield from (row["text"] for row in ds)
+        else:
+            columns = list(ds.column_names) if ds.column_names is not None else None
+            yield from _column_texts(ds, cfg.text_field, f"'{root}'", columns)
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(f"could not read {fmt} data from '{root}': {_first_line(exc)}") from None
+
+
+def _hub_documents(name: str, cfg: DataConfig) -> Iterator[str]:
+    advice = (
+        f"'{name}' is not a local path, and the Hugging Face hub is offline here; download it elsewhere "
+        "and pass a local file or folder (text, jsonl or parquet)"
+    )
+    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise DataError(advice)
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=cfg.split)
+    except Exception as exc:
+        raise DataError(f"{advice} ({_first_line(exc)})") from None
+    yield from _column_texts(ds, cfg.text_field, f"dataset '{name}'", list(ds.column_names))
+
+
+_PATH_LIKE_SUFFIXES = tuple(_FORMAT_BY_SUFFIX)
+
+
+def _documents(cfg: DataConfig) -> tuple[str, Iterator[str]]:
+    """A short name for the corpus and a lazy iterator over its documents, in source order."""
+    source = cfg.source
+    if source.startswith("builtin:"):
+        if source not in BUILTIN_SOURCES:
+            raise DataError(f"unknown built-in corpus '{source}'; valid: {sorted(BUILTIN_SOURCES)}")
+        return source.removeprefix("builtin:"), BUILTIN_SOURCES[source]()
+    path = Path(source).expanduser()
+    if path.exists():
+        return path.name or str(path), _local_documents(path, cfg)
+    # Things that are clearly meant as paths get a "not found", not a hub lookup.
+    if source.startswith(("/", ".", "~")) or source.lower().endswith(_PATH_LIKE_SUFFIXES):
+        raise DataError(f"data source '{source}' does not exist (expected a local file or folder)")
+    return source, _hub_documents(source, cfg)
+
+
+def _take(docs: Iterable[str], max_bytes: int) -> list[str]:
+    """Non-empty documents in order, the last one cut so the total is at most max_bytes (0: all)."""
+    out: list[str] = []
+    budget = max_bytes
+    for doc in docs:
+        if not doc:
+            continue
+        if max_bytes:
+            size = len(doc.encode("utf-8"))
+            if size >= budget:
+                # errors="ignore" drops a multi-byte character split by the cut.
+                doc = doc.encode("utf-8")[:budget].decode("utf-8", errors="ignore")
+                if doc:
+                    out.append(doc)
+                break
+            budget -= size
+        out.append(doc)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus
+
+
+def _hash_unit(text: str) -> float:
+    """A float in [0, 1) fixed by the text alone; duplicates of a document land on the same side."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
+    """Read, split, tokenize and pack the corpus. Same (cfg, seed) → identical tensors."""
+    import torch
+
+    problems = cfg.problems()
+    if problems:
+        raise DataError("; ".join(problems))
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    name, doc_iter = _documents(cfg)
+    docs = _take(doc_iter, cfg.max_bytes)
+    if not docs:
+        raise DataError(f"data source '{cfg.source}' holds no text")
+
+    if len(docs) == 1:
+        tokens = tokenizer.encode_documents(docs)
+        cut = max(1, min(len(tokens) - 1, int(len(tokens) * (1.0 - cfg.eval_fraction))))
+        train_np, eval_np = tokens[:cut], tokens[cut:]
+    else:
+        units = [_hash_unit(d) for d in docs]
+        is_eval = [u < cfg.eval_fraction for u in units]
+        # Tiny corpora may hash entirely to one side; move the nearest document across.
+        if not any(is_eval):
+            is_eval[min(range(len(docs)), key=units.__getitem__)] = True
+        if all(is_eval):
+            is_eval[max(range(len(docs)), key=units.__getitem__)] = False
+        eval_docs = [d for d, e in zip(docs, is_eval) if e]
+        train_docs = [d for d, e in zip(docs, is_eval) if not e]
+        order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(seed)).tolist()
+        train_np = tokenizer.encode_documents([train_docs[i] for i in order])
+        eval_np = tokenizer.encode_documents(eval_docs)
+
+    train_tokens = torch.from_numpy(np.ascontiguousarray(train_np, dtype=np.int32))
+    eval_tokens = torch.from_numpy(np.ascontiguousarray(eval_np, dtype=np.int32))
+    n_train, n_eval = train_tokens.numel(), eval_tokens.numel()
+    description = (
+        f"{name}: {len(docs):,} documents, {n_train + n_eval:,} tokens "
+        f"(train {n_train:,} / eval {n_eval:,}), tokenizer {tokenizer.name}"
+    )
+    return Corpus(tokenizer, train_tokens, eval_tokens, len(docs), description)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+class TokenStream:
+    """Sequential packing over a flat token tensor; the position is `{"cursor", "epoch"}`.
+
+    A batch is B consecutive windows of T+1 tokens that share their boundary token (targets are
+    inputs shifted by one). When the next batch would run past the end, the stream starts over at
+    0 and `epoch` grows: a batch never mixes the end of one pass with the start of the next, so its
+    content depends only on (state, batch_size, seq_len).
+    """
+
+    def __init__(self, tokens: torch.Tensor):
+        if tokens.dim() != 1:
+            raise DataError(f"TokenStream needs a 1-D token tensor, got shape {tuple(tokens.shape)}")
+        self.tokens_N = tokens
+        self.cursor = 0
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.tokens_N.numel()
+
+    @property
+    def tokens_consumed(self) -> int:
+        """Stream position counting each finished pass as the whole stream (skipped tails included)."""
+        return self.epoch * len(self) + self.cursor
+
+    def state_dict(self) -> dict[str, int]:
+        return {"cursor": self.cursor, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {"cursor", "epoch"} - set(state)
+        if missing:
+            raise DataError(f"data position is missing {sorted(missing)}; got {dict(state)}")
+        cursor, epoch = int(state["cursor"]), int(state["epoch"])
+        if not 0 <= cursor <= len(self) or epoch < 0:
+            raise DataError(
+                f"data position cursor={cursor}, epoch={epoch} does not fit a stream of {len(self):,} tokens; "
+                "was the corpus or its config changed since the checkpoint?"
+            )
+        self.cursor, self.epoch = cursor, epoch
+
+    def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs_BT, targets_BT), both int64."""
+        step = batch_size * seq_len
+        if batch_size < 1 or seq_len < 1:
+            raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+        if len(self) < step + 1:
+            raise DataError(
+                f"the training stream has {len(self):,} tokens, but one batch of {batch_size} x {seq_len} "
+                f"needs {step + 1:,}; use more data or a smaller batch_size/seq_len"
+            )
+        if self.cursor + step + 1 > len(self):
+            self.cursor = 0
+            self.epoch += 1
+        window = self.tokens_N[self.cursor : self.cursor + step + 1].long()
+        self.cursor += step
+        return window[:-1].view(batch_size, seq_len), window[1:].view(batch_size, seq_len)
+
+
+def eval_batches(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, max_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Up to `max_batches` full batches of windows from the start of the eval stream.
+
+    When the stream is too short for one full batch, a single smaller batch of the rows that fit
+    is returned, so a tiny corpus still gets an eval loss.
+    """
+    if batch_size < 1 or seq_len < 1 or max_batches < 1:
+        raise DataError(
+            f"batch_size, seq_len and max_batches must be >= 1, got {batch_size}, {seq_len}, {max_batches}"
+        )
+    rows = (tokens.numel() - 1) // seq_len if tokens.numel() > 0 else 0
+    if rows < 1:
+        raise DataError(
+            f"the eval stream has {tokens.numel():,} tokens, fewer than one window of seq_len+1 = {seq_len + 1}; "
+            "raise data.eval_fraction, use more data or a shorter seq_len"
+        )
+    if rows < batch_size:
+        batch_size, n_batches = rows, 1
+    else:
+        n_batches = min(max_batches, rows // batch_size)
+    batches = []
+    for b in range(n_batches):
+        start = b * batch_size * seq_len
+        window = tokens[start : start + batch_size * seq_len + 1].long()
+        batches.append((window[:-1].view(batch_size, seq_len), window[1:].view(batch_size, seq_len)))
+    return batches
+

@@ -1,0 +1,77 @@
+"""Shape of a model: the part of the recipe that the model classes, the growth operators and the
+planner all read. Frozen so that a stage's shape can be derived, compared and hashed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One routed-expert FFN layer (DESIGN.md §4)."""
+
+    num_experts: int = field(default=8, metadata={"doc": "Routed experts per MoE layer."})
+    top_k: int = field(default=2, metadata={"doc": "Experts chosen per token."})
+    expert_hidden: int = field(default=256, metadata={"doc": "Hidden width of each routed expert's SwiGLU."})
+    score_func: Literal["softmax", "sigmoid"] = field(
+        default="softmax", metadata={"doc": "Router score function; gates are renormalized over the selected experts."}
+    )
+    shared_expert_hidden: int = field(
+        default=0, metadata={"doc": "Hidden width of an always-on shared SwiGLU expert; 0 disables it."}
+    )
+    balance_bias_rate: float = field(
+        default=0.0,
+        metadata={
+            "doc": "Loss-free balancing: per-step update of a selection-only router bias "
+            "(sign of the load error times this rate); 0 disables it."
+        },
+    )
+    aux_loss_coef: float = field(default=0.01, metadata={"doc": "Weight of the load-balance loss."})
+    z_loss_coef: float = field(default=0.001, metadata={"doc": "Weight of the router z-loss."})
+    router_init_std: float = field(default=0.02, metadata={"doc": "Std of the router's initial weights."})
+    expert_backend: str = field(
+        default="reference", metadata={"doc": "Expert compute backend (a registry name, e.g. 'reference')."}
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The seed model's shape; growth operators derive each later stage's shape from it."""
+
+    vocab_size: int = field(default=0, metadata={"doc": "Vocabulary size; 0 takes the tokenizer's size."})
+    d_model: int = field(default=128, metadata={"doc": "Width of each residual stream."})
+    n_layers: int = field(default=2, metadata={"doc": "Number of coupling blocks."})
+    n_heads: int = field(default=4, metadata={"doc": "Attention query heads."})
+    n_kv_heads: int = field(default=0, metadata={"doc": "Key/value heads (GQA); 0 means n_heads."})
+    head_dim: int = field(default=0, metadata={"doc": "Per-head width; 0 means d_model // n_heads."})
+    ffn_hidden: int = field(default=384, metadata={"doc": "Hidden width of the dense SwiGLU FFN."})
+    rope_theta: float = field(default=10000.0, metadata={"doc": "RoPE base."})
+    norm_eps: float = field(default=1e-6, metadata={"doc": "RMSNorm epsilon."})
+    init_std: float = field(default=0.02, metadata={"doc": "Std of the initial linear weights."})
+    moe: MoEConfig | None = field(
+        default=None, metadata={"doc": "MoE settings of the MoE blocks; null for a dense model."}
+    )
+    moe_layers: tuple[int, ...] = field(
+        default=(), metadata={"doc": "Indices of the blocks whose FFN is an MoE layer (requires `moe`)."}
+    )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and index in self.moe_layers
+
+    def with_changes(self, **changes) -> "ModelConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Inverse of the plain-dict form stored in checkpoints (meta.json's model_config)."""
+        moe = d.get("moe")
+        return cls(**{**d, "moe": MoEConfig(**moe) if moe else None, "moe_layers": tuple(d.get("moe_layers", ()))})

@@ -1,0 +1,123 @@
+"""The growtrain language model (DESIGN.md §4): embeddings, a stack of RevNet-style additive
+coupling blocks over two fp32 residual streams, final norm, untied LM head.
+
+Legend: B batch, T sequence, D d_model, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from growtrain.model.config import ModelConfig
+from growtrain.model.layers import AttentionBranch, FFNBranch, RMSNorm, SwiGLU, out_proj_std
+from growtrain.model.moe import MoE, MoEStats, update_balance_bias
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    aux_loss: torch.Tensor  # scalar: sum of the MoE layers' aux losses (0 for a dense model)
+    moe_stats: list[MoEStats] = field(default_factory=list)  # one per MoE block, in block order
+
+
+def check_config(config: ModelConfig) -> None:
+    """Raise once with every problem that would stop the model from being built."""
+    problems = []
+    if config.vocab_size <= 0:
+        problems.append(f"vocab_size must be positive (the trainer fills it from the tokenizer), got {config.vocab_size}")
+    if config.n_heads <= 0 or config.n_heads % config.kv_heads:
+        problems.append(f"n_heads ({config.n_heads}) must be a positive multiple of n_kv_heads ({config.kv_heads})")
+    if config.head_size <= 0 or config.head_size % 2:
+        problems.append(f"head size must be positive and even for RoPE, got {config.head_size}")
+    bad = [i for i in config.moe_layers if not 0 <= i < config.n_layers]
+    if bad:
+        problems.append(f"moe_layers {bad} are outside 0..{config.n_layers - 1}")
+    if config.moe_layers and config.moe is None:
+        problems.append("moe_layers is set but moe is null; set moe or clear moe_layers")
+    if problems:
+        raise ValueError("invalid model config:\n  - " + "\n  - ".join(problems))
+
+
+class CouplingBlock(nn.Module):
+    """y1 = x1 + F(x2); y2 = x2 + G(y1). Inverse: x2 = y2 - G(y1); x1 = y1 - F(x2)."""
+
+    def __init__(self, config: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.f = AttentionBranch(config)
+        if config.is_moe_layer(index):
+            ffn: nn.Module = MoE(config)
+        else:
+            ffn = SwiGLU(config.d_model, config.ffn_hidden, config.init_std, out_proj_std(config))
+        self.g = FFNBranch(config, ffn)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.g.is_moe
+
+    def forward(
+        self, x1: torch.Tensor, x2: torch.Tensor, routing: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, MoEStats | None]:
+        # Branch outputs are cast back to the stream dtype: under autocast they come out bf16, and
+        # adding bf16 into the streams would break the (near-)exact inverse.
+        y1 = x1 + self.f(x2).to(x1.dtype)
+        g_out, stats = self.g(y1, routing=routing)
+        y2 = x2 + g_out.to(x2.dtype)
+        return y1, y2, stats
+
+
+class GrowLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(CouplingBlock(config, i) for i in range(config.n_layers))
+        self.final_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._init_own_weights()
+
+    def _init_own_weights(self) -> None:
+        nn.init.normal_(self.embed.weight, mean=0.0, std=self.config.init_std)
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=self.config.init_std)
+
+    def init_weights(self) -> None:
+        """Re-run the initialization of every parameter and buffer (e.g. after `to_empty`)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                if not isinstance(module, (nn.Embedding, nn.Linear)):
+                    module.reset_parameters()
+        self._init_own_weights()
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [block.g.ffn for block in self.blocks if block.is_moe]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens_BT: torch.Tensor) -> ModelOutput:
+        x_BTD = self.embed(tokens_BT).float()
+        x1, x2 = x_BTD, x_BTD
+        stats: list[MoEStats] = []
+        for block in self.blocks:
+            x1, x2, s = block(x1, x2)
+            if s is not None:
+                stats.append(s)
+        h_BTD = self.final_norm((x1 + x2) / 2)
+        logits_BTV = self.lm_head(h_BTD)
+        aux = torch.zeros((), device=x_BTD.device, dtype=torch.float32)
+        for s in stats:
+            aux = aux + s.aux_loss.float()
+        return ModelOutput(logits=logits_BTV, aux_loss=aux, moe_stats=stats)
+
+    def update_balance_biases(self, loads_E: list[torch.Tensor]) -> None:
+        """One loss-free balancing step per MoE layer from its expert loads (summed over the step's micro-batches)."""
+        layers = self.moe_layers
+        if len(loads_E) != len(layers):
+            raise ValueError(f"got {len(loads_E)} expert loads for {len(layers)} MoE layers")
+        for layer, load in zip(layers, loads_E):
+            update_balance_bias(layer, load)

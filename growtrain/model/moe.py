@@ -1,0 +1,201 @@
+"""Routed-expert FFN (DESIGN.md §4): fp32 router, top-k selection with a selection-only balance bias,
+renormalized gates, dropless sort-based dispatch to a pluggable expert backend, weighted combine,
+optional shared expert. Aux losses and routing statistics are returned, never stored.
+
+Legend: T tokens (batch and sequence flattened), D d_model, E experts, K top-k, S = T*K token-slots,
+F expert hidden width, E1 = E + 1 offsets.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from growtrain.kernels.reference import grouped_swiglu_reference
+from growtrain.model.config import ModelConfig, MoEConfig
+from growtrain.model.layers import SwiGLU, compute_dtype, out_proj_std
+
+ExpertBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Signature: (x_sorted_ND, offsets_E1 int64, w_gate_EFD, w_up_EFD, w_down_EDF) -> y_sorted_ND.
+EXPERT_BACKENDS: dict[str, ExpertBackend] = {
+    "reference": grouped_swiglu_reference,
+}
+
+
+def get_expert_backend(name: str) -> ExpertBackend:
+    try:
+        return EXPERT_BACKENDS[name]
+    except KeyError:
+        valid = ", ".join(sorted(EXPERT_BACKENDS))
+        raise ValueError(f"unknown expert backend {name!r}; valid names: {valid}") from None
+
+
+def _autocast_off(device_type: str):
+    # torch.autocast rejects device types without an autocast dtype (e.g. "meta").
+    if device_type in ("cpu", "cuda"):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return nullcontext()
+
+
+@dataclass
+class MoEStats:
+    """What one MoE layer reports per forward."""
+
+    aux_loss: torch.Tensor  # scalar: aux_loss_coef * load-balance + z_loss_coef * z-loss
+    load: torch.Tensor  # [E] float, token-slots per expert, detached
+    top_k_indices: torch.Tensor  # [T, K] int64, chosen experts, detached
+
+
+class Router(nn.Module):
+    def __init__(self, d_model: int, num_experts: int, init_std: float = 0.02):
+        super().__init__()
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        # Persistent: loss-free balancing state must survive a resume.
+        self.register_buffer("balance_bias", torch.zeros(num_experts), persistent=True)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        with torch.no_grad():
+            self.balance_bias.zero_()
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] in at least fp32, even under autocast: bf16 logits flip top-k ties."""
+        dt = compute_dtype(x_TD.dtype)
+        with _autocast_off(x_TD.device.type):
+            return x_TD.to(dt) @ self.weight.to(dt).T
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts with stacked weights."""
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, init_std: float = 0.02, out_std: float | None = None):
+        super().__init__()
+        self.init_std = init_std
+        self.out_std = init_std if out_std is None else out_std
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.w_up = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.w_down = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_gate, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w_up, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w_down, mean=0.0, std=self.out_std)
+
+
+class MoE(nn.Module):
+    is_moe = True  # read by FFNBranch to decide whether the FFN returns stats
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        moe = config.moe
+        if moe is None:
+            raise ValueError("MoE layer needs config.moe")
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise ValueError(f"moe.top_k must be in 1..num_experts={moe.num_experts}, got {moe.top_k}")
+        if moe.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe.score_func must be 'softmax' or 'sigmoid', got {moe.score_func!r}")
+        get_expert_backend(moe.expert_backend)  # fail at build time, not at the first step
+        self.config: MoEConfig = moe
+        self.expert_backend = moe.expert_backend
+        out_std = out_proj_std(config)
+        self.router = Router(config.d_model, moe.num_experts, moe.router_init_std)
+        self.experts = Experts(moe.num_experts, config.d_model, moe.expert_hidden, config.init_std, out_std)
+        self.shared = (
+            SwiGLU(config.d_model, moe.shared_expert_hidden, config.init_std, out_std)
+            if moe.shared_expert_hidden > 0
+            else None
+        )
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        if self.config.score_func == "softmax":
+            return torch.softmax(logits_TE, dim=-1)
+        return torch.sigmoid(logits_TE)
+
+    def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
+        """x: [..., D]. routing: optional [T, K] expert indices to reuse instead of top-k
+        (gates are still computed from the current scores at those indices)."""
+        cfg = self.config
+        E, K = cfg.num_experts, cfg.top_k
+        lead_shape, D = x.shape[:-1], x.shape[-1]
+        x_TD = x.reshape(-1, D)
+        T = x_TD.shape[0]
+
+        logits_TE = self.router(x_TD)
+        scores_TE = self.scores(logits_TE)
+        if routing is None:
+            with torch.no_grad():
+                bias_E = self.router.balance_bias.to(scores_TE.dtype)
+                idx_TK = torch.topk(scores_TE + bias_E, K, dim=-1).indices
+        else:
+            if routing.shape != (T, K):
+                raise ValueError(f"routing must have shape [T, K] = [{T}, {K}], got {list(routing.shape)}")
+            idx_TK = routing.to(device=x.device, dtype=torch.long)
+        picked_TK = scores_TE.gather(1, idx_TK)
+        gates_TK = picked_TK / picked_TK.sum(-1, keepdim=True).clamp_min(torch.finfo(picked_TK.dtype).tiny)
+
+        # Dropless dispatch: a stable sort makes the row order, and so the result, deterministic.
+        expert_S = idx_TK.reshape(-1)
+        order_S = torch.argsort(expert_S, stable=True)
+        counts_E = torch.bincount(expert_S, minlength=E)
+        offsets_E1 = torch.zeros(E + 1, dtype=torch.long, device=x.device)
+        offsets_E1[1:] = torch.cumsum(counts_E, dim=0)
+        # Expand-then-gather (not x_TD[order // K]): its backward is a plain sum over K plus a
+        # permutation, with no accumulating scatter, so gradients are bitwise reproducible.
+        x_SD = x_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
+        backend = get_expert_backend(self.expert_backend)
+        e = self.experts
+        y_sorted_SD = backend(x_SD[order_S], offsets_E1, e.w_gate, e.w_up, e.w_down)
+        inverse_S = torch.empty_like(order_S)
+        inverse_S[order_S] = torch.arange(order_S.numel(), device=x.device)
+        y_TKD = y_sorted_SD[inverse_S].view(T, K, -1)
+        # Combine in the wider of the two dtypes so bf16 expert outputs keep fp32 gate precision.
+        dt = torch.promote_types(y_TKD.dtype, gates_TK.dtype)
+        y_TD = (y_TKD.to(dt) * gates_TK.unsqueeze(-1).to(dt)).sum(dim=1)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+
+        stats = MoEStats(
+            aux_loss=self._aux_loss(logits_TE, scores_TE, counts_E),
+            load=counts_E.detach().to(torch.float32),
+            top_k_indices=idx_TK.detach(),
+        )
+        return y_TD.reshape(*lead_shape, -1).to(x.dtype), stats
+
+    def _aux_loss(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        zero = logits_TE.new_zeros(())
+        if logits_TE.shape[0] == 0:
+            return zero
+        aux = zero
+        if cfg.aux_loss_coef:
+            # Switch-style balance loss: E * sum_e f_e * P_e, minimal (1) at uniform routing.
+            frac_E = counts_E.to(scores_TE.dtype) / counts_E.sum()
+            probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if cfg.score_func == "sigmoid" else scores_TE
+            aux = aux + cfg.aux_loss_coef * cfg.num_experts * (frac_E * probs_TE.mean(0)).sum()
+        if cfg.z_loss_coef:
+            aux = aux + cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
+        return aux
+
+
+@torch.no_grad()
+def update_balance_bias(moe_layer: MoE, load: torch.Tensor) -> None:
+    """Loss-free balancing step: raise the selection bias of under-loaded experts, lower it for
+    over-loaded ones, by a fixed rate times the sign of the load error."""
+    rate = moe_layer.config.balance_bias_rate
+    if rate == 0:
+        return
+    bias_E = moe_layer.router.balance_bias
+    load_E = load.detach().to(device=bias_E.device, dtype=torch.float32)
+    bias_E.add_((rate * torch.sign(load_E.mean() - load_E)).to(bias_E.dtype))

@@ -1,0 +1,116 @@
+"""AdamW whose state is keyed by parameter *name*, with per-parameter LR, weight-decay and epsilon
+multipliers.
+
+Names, not parameter objects, because growth replaces modules: an operator maps old names to new
+ones and transforms each moment by DESIGN.md §7's rule (a scaled copy β·p of p, with S the sum of β
+over p's copies, gets m/S, v/S², LR ×β, weight decay ×1/β and epsilon ×1/S), so that one step after
+growth moves the function as the same step before it would have. A multiplier is a float or a
+tensor shaped like its parameter. Plain tensor ops only: bitwise deterministic on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from growtrain.recipe import OptimizerConfig
+
+
+@dataclass
+class ParamState:
+    step: int
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    lr_mult: float | torch.Tensor = 1.0
+    wd_mult: float | torch.Tensor = 1.0
+    eps_mult: float | torch.Tensor = 1.0
+
+    @classmethod
+    def fresh(cls, p: torch.Tensor, decay: bool) -> "ParamState":
+        return cls(0, torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32), 1.0, 1.0 if decay else 0.0, 1.0)
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Matrices decay; norm weights, biases and the selection bias do not."""
+    return p.ndim >= 2
+
+
+class AdamW:
+    def __init__(self, named_params: dict[str, nn.Parameter], cfg: OptimizerConfig):
+        self.cfg = cfg
+        self.params: dict[str, nn.Parameter] = {}
+        self.state: dict[str, ParamState] = {}
+        self.rebind(named_params)
+
+    def rebind(self, named_params: dict[str, nn.Parameter], state: dict[str, ParamState] | None = None) -> None:
+        """Point at a (possibly grown) model's parameters. With `state`, it must cover exactly the
+        trainable names: a missing or stray entry is an error, never silently fresh state."""
+        self.params = {n: p for n, p in named_params.items() if p.requires_grad}
+        if state is None:
+            state = {n: self.state.get(n) or ParamState.fresh(p, decays(n, p)) for n, p in self.params.items()}
+        missing = sorted(set(self.params) - set(state))
+        stray = sorted(set(state) - set(self.params))
+        if missing or stray:
+            raise ValueError(f"optimizer state does not match the model: missing {missing[:5]}, stray {stray[:5]}")
+        for n, p in self.params.items():
+            if state[n].exp_avg.shape != p.shape:
+                raise ValueError(f"optimizer state of {n} has shape {tuple(state[n].exp_avg.shape)}, parameter {tuple(p.shape)}")
+        self.state = state
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        b1, b2 = self.cfg.beta1, self.cfg.beta2
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            s = self.state[name]
+            s.step += 1
+            g = p.grad.float()
+            s.exp_avg.mul_(b1).add_(g, alpha=1 - b1)
+            s.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+            bc1 = 1 - b1**s.step
+            bc2 = 1 - b2**s.step
+            lr_p = lr * s.lr_mult  # float or tensor
+            decay = lr_p * self.cfg.weight_decay * s.wd_mult
+            denom = (s.exp_avg_sq / bc2).sqrt_().add_(self.cfg.eps * s.eps_mult)
+            update = (s.exp_avg / bc1) / denom
+            p32 = p.float()
+            p32.mul_(1 - decay)
+            p32.sub_(update * lr_p)
+            p.copy_(p32)
+
+    def state_dict(self) -> dict:
+        return {
+            name: {
+                "step": s.step,
+                "exp_avg": s.exp_avg,
+                "exp_avg_sq": s.exp_avg_sq,
+                "lr_mult": s.lr_mult,
+                "wd_mult": s.wd_mult,
+                "eps_mult": s.eps_mult,
+            }
+            for name, s in self.state.items()
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        self.rebind(self.params, {n: ParamState(**v) for n, v in d.items()})
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Global L2 norm of the gradients (returned before clipping); clips in place when max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+    if max_norm > 0 and math.isfinite(total) and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return total

@@ -1,0 +1,572 @@
+"""The recipe: a typed, frozen description of a whole run, loaded strictly from YAML.
+
+Every component owns its config dataclass (model/config.py, data.py, checkpoint.py, tracking.py);
+this module composes them, adds the stage list, and validates a YAML document against the
+composition. Validation collects every problem before raising, names the YAML line where it can,
+and suggests the nearest valid key for a typo (STYLE.md item 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from growtrain.checkpoint import CheckpointConfig
+from growtrain.data import DataConfig
+from growtrain.model.config import ModelConfig, MoEConfig
+from growtrain.tracking import TrackingConfig
+
+
+class RecipeError(Exception):
+    """A recipe that cannot run; `problems` lists every reason, one line each."""
+
+    def __init__(self, problems: list[str], source: str = "recipe"):
+        self.problems = problems
+        self.source = source
+        super().__init__(f"{source}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Component configs owned by the recipe itself
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Learning-rate schedule of one stage; it re-warms from zero at the stage start."""
+
+    kind: Literal["cosine", "wsd", "constant"] = field(
+        default="cosine", metadata={"doc": "cosine: warmup then cosine decay; wsd: warmup-stable-decay; constant: warmup then flat."}
+    )
+    peak_lr: float = field(default=0.0, metadata={"doc": "Peak LR of the stage; 0 uses optimizer.lr.", "ge": 0.0})
+    warmup_steps: int = field(default=0, metadata={"doc": "Linear re-warmup steps at the stage start.", "ge": 0})
+    min_lr_ratio: float = field(default=0.1, metadata={"doc": "Final LR as a fraction of the peak.", "ge": 0.0, "le": 1.0})
+    decay_fraction: float = field(
+        default=0.2, metadata={"doc": "wsd only: fraction of the stage spent in the final linear decay.", "gt": 0.0, "le": 1.0}
+    )
+
+
+@dataclass(frozen=True)
+class GrowthStep:
+    """One growth operator applied at a stage start: `{op: NAME, ...its arguments}` in YAML."""
+
+    op: str
+    args: Any  # the operator's own frozen args dataclass
+
+    def to_plain(self) -> dict:
+        return {"op": self.op, **to_plain(self.args)}
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One training stage: the growth applied at its start, then `steps` optimizer steps."""
+
+    name: str = field(default="", metadata={"doc": "Unique stage name (shown in logs and checkpoints)."})
+    steps: int = field(default=100, metadata={"doc": "Optimizer steps in this stage.", "ge": 1})
+    seq_len: int = field(default=128, metadata={"doc": "Tokens per sequence.", "ge": 2})
+    batch_size: int = field(default=16, metadata={"doc": "Sequences per micro-batch.", "ge": 1})
+    grad_accum: int = field(default=1, metadata={"doc": "Micro-batches per optimizer step.", "ge": 1})
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"doc": "LR schedule of the stage."})
+    grow: tuple[GrowthStep, ...] = field(
+        default=(),
+        metadata={"doc": "Growth operators applied, in order, before the stage trains: a list of {op: NAME, ...args}."},
+    )
+
+    def lr(self, step: int, base_lr: float) -> float:
+        """LR at optimizer step `step` (0-based) of this stage: the stage's schedule as a lookup."""
+        s = self.schedule
+        peak = s.peak_lr or base_lr
+        if step < s.warmup_steps:
+            return peak * (step + 1) / s.warmup_steps
+        floor = peak * s.min_lr_ratio
+        if s.kind == "constant":
+            return peak
+        if s.kind == "cosine":
+            span = max(1, self.steps - s.warmup_steps)
+            progress = min(1.0, (step - s.warmup_steps) / span)
+            return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+        decay_steps = max(1, round(self.steps * s.decay_fraction))
+        decay_start = self.steps - decay_steps
+        if step < decay_start:
+            return peak
+        return peak - (peak - floor) * (step - decay_start + 1) / decay_steps
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW over all trainable parameters, with per-parameter LR/weight-decay multipliers."""
+
+    name: Literal["adamw"] = field(default="adamw", metadata={"doc": "Optimizer (registry name)."})
+    lr: float = field(default=3e-3, metadata={"doc": "Base peak LR (stages may override with schedule.peak_lr).", "gt": 0.0})
+    beta1: float = field(default=0.9, metadata={"doc": "Adam beta1.", "ge": 0.0, "lt": 1.0})
+    beta2: float = field(default=0.95, metadata={"doc": "Adam beta2.", "ge": 0.0, "lt": 1.0})
+    eps: float = field(default=1e-8, metadata={"doc": "Adam epsilon.", "gt": 0.0})
+    weight_decay: float = field(
+        default=0.1, metadata={"doc": "Decoupled weight decay on matrices (norm weights are not decayed).", "ge": 0.0}
+    )
+    grad_clip: float = field(default=1.0, metadata={"doc": "Global gradient-norm clip; 0 disables.", "ge": 0.0})
+    max_bad_steps: int = field(
+        default=3,
+        metadata={"doc": "Consecutive non-finite steps skipped before the run stops (no checkpoint of a bad state).", "ge": 0},
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop settings shared by all stages."""
+
+    precision: Literal["fp32", "bf16"] = field(
+        default="fp32", metadata={"doc": "fp32, or bf16 autocast for the branches (streams and router stay fp32)."}
+    )
+    log_every: int = field(default=10, metadata={"doc": "Console line every N steps (W&B gets every step).", "ge": 1})
+    eval_every: int = field(default=100, metadata={"doc": "Held-out loss every N steps and at each stage end; 0: stage ends only.", "ge": 0})
+    eval_batches: int = field(default=4, metadata={"doc": "Held-out batches per evaluation.", "ge": 1})
+    threads: int = field(default=0, metadata={"doc": "torch CPU threads; 0 keeps torch's default.", "ge": 0})
+
+
+@dataclass(frozen=True)
+class InvarianceConfig:
+    """Thresholds of the checks run around every growth operator (DESIGN.md §8)."""
+
+    exact_rel_tol: float = field(
+        default=1e-4, metadata={"doc": "Exact operators: max relative L2 change of the probe logits.", "gt": 0.0}
+    )
+    max_rel_dloss: float = field(
+        default=0.03, metadata={"doc": "Approximate operators: max |Δloss| / loss on the probe batch.", "gt": 0.0}
+    )
+    min_cosine: float = field(default=0.995, metadata={"doc": "Approximate operators: min cosine of probe logits.", "ge": -1.0, "le": 1.0})
+    max_router_kl: float = field(default=0.02, metadata={"doc": "Approximate operators: max per-layer router KL.", "ge": 0.0})
+    probe_batch_size: int = field(default=4, metadata={"doc": "Sequences in the held-out probe batch.", "ge": 1})
+    probe_seq_len: int = field(default=64, metadata={"doc": "Tokens per probe sequence.", "ge": 2})
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A whole run: seed model, data, optimizer, stages, checkpoints, tracking."""
+
+    name: str = field(default="run", metadata={"doc": "Run name (W&B name default and log prefix)."})
+    seed: int = field(default=0, metadata={"doc": "Seed of init, data order and growth noise.", "ge": 0})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "Shape of the seed (first-stage) model."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Training text and tokenizer."})
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"doc": "Optimizer settings."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Loop settings."})
+    stages: tuple[StageConfig, ...] = field(default=(), metadata={"doc": "The stages, in order (at least one)."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoint policy."})
+    invariance: InvarianceConfig = field(default_factory=InvarianceConfig, metadata={"doc": "Growth check thresholds."})
+    tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"doc": "W&B and console."})
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, override (`key.path=value`), and validate a recipe file; raise RecipeError with every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError([f"no such recipe file: {path}"], str(path))
+    text = path.read_text()
+    try:
+        node = yaml.compose(text)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError([f"not valid YAML: {exc}".replace("\n", " ")], str(path)) from None
+    if raw is None:
+        raw = {}
+    lines = _line_map(node) if node is not None else {}
+    problems: list[str] = []
+    if not isinstance(raw, dict):
+        raise RecipeError(["the top level must be a mapping of sections (model, data, stages, ...)"], str(path))
+    for item in overrides:
+        _apply_override(raw, item, problems, lines)
+    recipe = parse_recipe(raw, problems, lines)
+    if problems:
+        raise RecipeError(problems, str(path))
+    return recipe
+
+
+def recipe_from_dict(raw: dict) -> Recipe:
+    problems: list[str] = []
+    recipe = parse_recipe(raw, problems, {})
+    if problems:
+        raise RecipeError(problems)
+    return recipe
+
+
+def parse_recipe(raw: dict, problems: list[str], lines: dict) -> Recipe:
+    ctx = _Ctx(problems, lines)
+    recipe = ctx.build(Recipe, raw, ())
+    if recipe is None:
+        return Recipe()
+    _check_recipe(recipe, ctx)
+    return recipe
+
+
+def _apply_override(raw: dict, item: str, problems: list[str], lines: dict) -> None:
+    key, sep, value_text = item.partition("=")
+    if not sep or not key:
+        problems.append(f"--set {item!r}: expected key.path=value")
+        return
+    try:
+        value = yaml.safe_load(value_text) if value_text != "" else ""
+    except yaml.YAMLError:
+        value = value_text
+    parts = key.split(".")
+    target: Any = raw
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(target, list):
+            if not part.isdigit() or int(part) >= len(target):
+                problems.append(f"--set {key}: {'.'.join(parts[:i]) or 'recipe'} has no item {part} (it has {len(target)})")
+                return
+            part = int(part)
+        elif not isinstance(target, dict):
+            problems.append(f"--set {key}: {'.'.join(parts[:i])} is not a section")
+            return
+        if last:
+            target[part] = value
+            lines[tuple(parts)] = "--set"
+        else:
+            if isinstance(target, dict) and target.get(part) is None:
+                target[part] = {}
+            target = target[part]
+
+
+def _line_map(node, path=()) -> dict:
+    """Path (tuple of keys / indices) -> 1-based YAML line."""
+    out = {path: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            out.update(_line_map(value_node, path + (key_node.value,)))
+            out[path + (key_node.value,)] = key_node.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out.update(_line_map(item, path + (i,)))
+    return out
+
+
+class _Ctx:
+    def __init__(self, problems: list[str], lines: dict):
+        self.problems = problems
+        self.lines = lines
+
+    def where(self, path) -> str:
+        dotted = ".".join(str(p) for p in path) or "recipe"
+        probe = tuple(str(p) if not isinstance(p, int) else p for p in path)
+        while probe and probe not in self.lines:
+            probe = probe[:-1]
+        line = self.lines.get(probe)
+        if line == "--set":
+            return f"{dotted} (--set)"
+        return f"{dotted} (line {line})" if line else dotted
+
+    def error(self, path, msg: str) -> None:
+        self.problems.append(f"{self.where(path)}: {msg}")
+
+    def build(self, cls, raw, path):
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            self.error(path, f"expected a mapping of {cls.__name__} fields, got {_kind(raw)}")
+            return None
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        unknown = [k for k in raw if k not in fields]
+        for key in unknown:
+            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
+            self.error(path + (key,), f"unknown key '{key}'{hint}")
+        values = {}
+        ok = True
+        for name, f in fields.items():
+            if name not in raw or (cls is StageConfig and name == "grow"):
+                continue
+            sub = path + (name,)
+            value = self.convert(hints[name], raw[name], sub)
+            if value is _INVALID:
+                ok = False
+                continue
+            value = self.check_range(f, value, sub)
+            if value is _INVALID:
+                ok = False
+                continue
+            values[name] = value
+        if cls is StageConfig and "grow" in raw:
+            values["grow"] = self.build_growth(raw["grow"], path + ("grow",))
+            ok = ok and values["grow"] is not None
+        if not ok:
+            return None
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            self.error(path, str(exc))
+            return None
+
+    def build_growth(self, raw, path):
+        from growtrain.stages import get_operator
+
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            self.error(path, f"expected a list of {{op: NAME, ...}}, got {_kind(raw)}")
+            return None
+        steps = []
+        for i, item in enumerate(raw):
+            sub = path + (i,)
+            if not isinstance(item, dict) or "op" not in item:
+                self.error(sub, "each growth step is a mapping with an 'op' key")
+                continue
+            try:
+                op = get_operator(str(item["op"]))
+            except ValueError as exc:
+                self.error(sub + ("op",), str(exc))
+                continue
+            args = self.build(op.args_type, {k: v for k, v in item.items() if k != "op"}, sub)
+            if args is not None:
+                steps.append(GrowthStep(op.name, args))
+        return tuple(steps) if len(steps) == len(raw) else None
+
+    def convert(self, hint, value, path):
+        origin = typing.get_origin(hint)
+        args = typing.get_args(hint)
+        if origin in (typing.Union, types.UnionType):
+            if value is None and type(None) in args:
+                return None
+            (inner,) = [a for a in args if a is not type(None)]
+            return self.convert(inner, value, path)
+        if hint is Any:
+            return value
+        if origin is Literal:
+            if value not in args:
+                near = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+                hint_txt = f"; did you mean '{near[0]}'?" if near else ""
+                self.error(path, f"'{value}' is not one of {', '.join(map(str, args))}{hint_txt}")
+                return _INVALID
+            return value
+        if origin is tuple:
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool) and args[0] is int:
+                value = [value]
+            if not isinstance(value, list):
+                self.error(path, f"expected a list, got {_kind(value)}")
+                return _INVALID
+            items = [self.convert(args[0], v, path + (i,)) for i, v in enumerate(value)]
+            return _INVALID if any(v is _INVALID for v in items) else tuple(items)
+        if dataclasses.is_dataclass(hint):
+            built = self.build(hint, value, path)
+            return _INVALID if built is None else built
+        if hint is bool:
+            if not isinstance(value, bool):
+                self.error(path, f"expected true or false, got {_kind(value)}")
+                return _INVALID
+            return value
+        if hint is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                self.error(path, f"expected an integer, got {_kind(value)}")
+                return _INVALID
+            return value
+        if hint is float:
+            if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                self.error(path, f"expected a number, got {_kind(value)}")
+                return _INVALID
+            return float(value)
+        if hint is str:
+            if not isinstance(value, str):
+                self.error(path, f"expected a string, got {_kind(value)}")
+                return _INVALID
+            return value
+        return value
+
+    def check_range(self, f, value, path):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return value
+        m = f.metadata
+        for key, ok, word in (
+            ("ge", lambda v, b: v >= b, ">="),
+            ("gt", lambda v, b: v > b, ">"),
+            ("le", lambda v, b: v <= b, "<="),
+            ("lt", lambda v, b: v < b, "<"),
+        ):
+            if key in m and not ok(value, m[key]):
+                self.error(path, f"{value} is out of range: must be {word} {m[key]}")
+                return _INVALID
+        return value
+
+
+_INVALID = object()
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "nothing (null)"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}.get(
+        type(value), type(value).__name__
+    ) + (f" ({value!r})" if isinstance(value, (bool, int, float, str)) else "")
+
+
+def _check_recipe(recipe: Recipe, ctx: _Ctx) -> None:
+    """Cross-field checks: the model shape, the stage list, and the growth chain."""
+    for where, msg in model_problems(recipe.model):
+        ctx.error(("model",) + where, msg)
+    if not recipe.stages:
+        ctx.error(("stages",), "at least one stage is needed")
+        return
+    seen: dict[str, int] = {}
+    for i, stage in enumerate(recipe.stages):
+        if not stage.name:
+            ctx.error(("stages", i, "name"), "every stage needs a name")
+        elif stage.name in seen:
+            ctx.error(("stages", i, "name"), f"stage name '{stage.name}' is already used by stage {seen[stage.name]}")
+        else:
+            seen[stage.name] = i
+        if stage.schedule.warmup_steps > stage.steps:
+            ctx.error(("stages", i, "schedule", "warmup_steps"), f"{stage.schedule.warmup_steps} warmup steps exceed the stage's {stage.steps} steps")
+    if model_problems(recipe.model):
+        return
+    from growtrain.stages import GrowthPlanError, plan_stage_models
+
+    try:
+        plan_stage_models(recipe.model, [s.grow for s in recipe.stages])
+    except GrowthPlanError as exc:
+        ctx.error(("stages", exc.stage_index, "grow", exc.step_index), exc.message)
+
+
+def model_problems(cfg: ModelConfig) -> list[tuple[tuple, str]]:
+    """Shape problems of a model config, as (path, message); also used on every grown shape."""
+    out: list[tuple[tuple, str]] = []
+    positive = ("d_model", "n_layers", "n_heads", "ffn_hidden")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            out.append(((name,), f"must be >= 1, got {getattr(cfg, name)}"))
+    for name in ("vocab_size", "n_kv_heads", "head_dim"):
+        if getattr(cfg, name) < 0:
+            out.append(((name,), f"must be >= 0, got {getattr(cfg, name)}"))
+    if out:
+        return out
+    if not cfg.head_dim and cfg.d_model % cfg.n_heads:
+        out.append((("n_heads",), f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads}; set head_dim"))
+    if cfg.head_size % 2:
+        out.append((("head_dim",), f"head size {cfg.head_size} must be even for RoPE"))
+    if cfg.n_heads % cfg.kv_heads:
+        out.append((("n_kv_heads",), f"n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.kv_heads}"))
+    if cfg.moe_layers and cfg.moe is None:
+        out.append((("moe_layers",), "MoE layers are listed but `moe` is not set"))
+    for i in cfg.moe_layers:
+        if not 0 <= i < cfg.n_layers:
+            out.append((("moe_layers",), f"layer {i} does not exist (n_layers is {cfg.n_layers})"))
+    if len(set(cfg.moe_layers)) != len(cfg.moe_layers):
+        out.append((("moe_layers",), "a layer is listed twice"))
+    if cfg.moe is not None:
+        out.extend((("moe",) + p, m) for p, m in moe_problems(cfg.moe))
+    return out
+
+
+def moe_problems(moe: MoEConfig) -> list[tuple[tuple, str]]:
+    out = []
+    if moe.num_experts < 1:
+        out.append((("num_experts",), f"must be >= 1, got {moe.num_experts}"))
+    if not 1 <= moe.top_k <= max(1, moe.num_experts):
+        out.append((("top_k",), f"must be between 1 and num_experts ({moe.num_experts}), got {moe.top_k}"))
+    if moe.expert_hidden < 1:
+        out.append((("expert_hidden",), f"must be >= 1, got {moe.expert_hidden}"))
+    if moe.shared_expert_hidden < 0:
+        out.append((("shared_expert_hidden",), "must be >= 0"))
+    from growtrain.model.moe import EXPERT_BACKENDS
+
+    if moe.expert_backend not in EXPERT_BACKENDS:
+        near = difflib.get_close_matches(moe.expert_backend, list(EXPERT_BACKENDS), n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        out.append((("expert_backend",), f"unknown expert backend '{moe.expert_backend}'{hint} (valid: {', '.join(EXPERT_BACKENDS)})"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def to_plain(obj):
+    """A recipe (or any part of it) as plain YAML/JSON-ready data, every default filled in."""
+    if isinstance(obj, GrowthStep):
+        return obj.to_plain()
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj
+
+
+def dump_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(to_plain(recipe), sort_keys=False, default_flow_style=None, width=100)
+
+
+def schema_markdown() -> str:
+    """The recipe reference: every section and field with its type, default and meaning."""
+    from growtrain.stages import OPERATORS
+
+    out = ["# Recipe reference", "", "Generated by `growtrain schema`; every field of a recipe, its type, default and meaning.", ""]
+    seen = set()
+
+    def section(cls, title):
+        if cls in seen:
+            return
+        seen.add(cls)
+        hints = typing.get_type_hints(cls)
+        out.extend([f"## {title}", "", (cls.__doc__ or "").strip().splitlines()[0], "", "| key | type | default | meaning |", "|---|---|---|---|"])
+        nested = []
+        for f in dataclasses.fields(cls):
+            if f.name == "args" and cls is GrowthStep:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else (
+                "(section)" if f.default_factory is not dataclasses.MISSING else "required"
+            )
+            if dataclasses.is_dataclass(default):
+                default = "(section)"
+            rng = ", ".join(f"{k} {f.metadata[k]}" for k in ("ge", "gt", "le", "lt") if k in f.metadata)
+            doc = f.metadata.get("doc", "") + (f" Range: {rng}." if rng else "")
+            out.append(f"| `{f.name}` | {_type_name(hints[f.name])} | `{default!r}` | {doc} |".replace("`'", "`").replace("'`", "`"))
+            for inner in _dataclasses_in(hints[f.name]):
+                nested.append((inner, f"{title}.{f.name}" if title != "recipe" else f.name))
+        out.append("")
+        for inner, name in nested:
+            section(inner, name)
+
+    section(Recipe, "recipe")
+    out.extend(["## Growth operators (`stages[].grow[]`)", ""])
+    for op in OPERATORS.values():
+        out.append(f"### `{op.name}` ({'exact' if op.exact else 'approximate'})")
+        out.extend(["", op.doc, "", "| key | type | default | meaning |", "|---|---|---|---|"])
+        hints = typing.get_type_hints(op.args_type)
+        for f in dataclasses.fields(op.args_type):
+            default = f.default if f.default is not dataclasses.MISSING else "required"
+            out.append(f"| `{f.name}` | {_type_name(hints[f.name])} | `{default!r}` | {f.metadata.get('doc', '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _dataclasses_in(hint):
+    if dataclasses.is_dataclass(hint):
+        return [hint]
+    return [c for a in typing.get_args(hint) for c in _dataclasses_in(a)]
+
+
+def _type_name(hint) -> str:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Literal:
+        return " \\| ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args).replace("NoneType", "null")
+    if origin is tuple:
+        return f"list of {_type_name(args[0])}"
+    return getattr(hint, "__name__", str(hint))

@@ -1,0 +1,127 @@
+"""Tokenizers: a built-in byte-level one, and any local Hugging Face `tokenizer.json`.
+
+Both share the small `Tokenizer` protocol below. `encode_documents` is what the corpus loader
+calls: it returns one flat int32 array with EOS after every document, so that a fast path (the
+byte tokenizer's `np.frombuffer`) can skip Python-level work per token.
+
+`DataError` lives here, the lowest module of the data path, and is re-exported by
+`growtrain.data`; user-facing data and tokenizer problems raise it (the CLI prints the message,
+no traceback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class DataError(Exception):
+    """A problem with the data or tokenizer that the user can fix; the message says how."""
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def encode_documents(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+class ByteTokenizer:
+    """Ids 0..255 are the UTF-8 bytes of the text; id 256 is EOS, the document separator."""
+
+    name = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
+
+    def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
+        blobs = [t.encode("utf-8") for t in texts]
+        ends = np.cumsum([len(b) for b in blobs], dtype=np.int64)
+        tokens = np.frombuffer(b"".join(blobs), dtype=np.uint8).astype(np.int32)
+        # np.insert places each EOS before the original index, i.e. right after each document.
+        return np.insert(tokens, ends, np.int32(self.eos_id))
+
+
+# Tried in this order when no EOS token is named: Llama/T5, GPT-2/NeoX, Gemma conventions.
+_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>")
+
+
+class HFTokenizerFile:
+    """A local `tokenizer.json` (or a folder holding one), read with the `tokenizers` package."""
+
+    def __init__(self, path: str | Path, eos_token: str | None = None):
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError:
+            raise DataError(
+                f"tokenizer '{path}' is a tokenizer.json file, which needs the `tokenizers` package: "
+                "pip install tokenizers"
+            ) from None
+        file = Path(path).expanduser()
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise DataError(f"tokenizer file '{file}' does not exist")
+        try:
+            self._tok = _HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust side raises a bare Exception on malformed JSON
+            raise DataError(f"could not read tokenizer '{file}': {_first_line(exc)}") from None
+        candidates = (eos_token,) if eos_token else _EOS_CANDIDATES
+        for token in candidates:
+            eos_id = self._tok.token_to_id(token)
+            if eos_id is not None:
+                break
+        else:
+            raise DataError(
+                f"tokenizer '{file}' has no end-of-document token among {list(candidates)}; "
+                "name the one it uses"
+            )
+        self.eos_id = int(eos_id)
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), self.eos_id + 1)
+        self.name = str(file)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([i for i in ids if i != self.eos_id], skip_special_tokens=True)
+
+    def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
+        parts: list[np.ndarray] = []
+        eos = np.array([self.eos_id], dtype=np.int32)
+        for enc in self._tok.encode_batch(list(texts), add_special_tokens=False):
+            parts.append(np.asarray(enc.ids, dtype=np.int32))
+            parts.append(eos)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """"byte" → ByteTokenizer; a tokenizer.json file, or a folder holding one → HFTokenizerFile."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if path.is_file() or (path.is_dir() and (path / "tokenizer.json").is_file()):
+        return HFTokenizerFile(path)
+    if path.is_dir():
+        raise DataError(f"tokenizer folder '{spec}' holds no tokenizer.json")
+    raise DataError(
+        f"unknown tokenizer '{spec}': expected 'byte' or the path of a local tokenizer.json "
+        "(or of a folder holding one)"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,366 @@
+"""The training run, top to bottom: resume or start, then for each stage grow, train, evaluate and
+checkpoint. This is the file to read when a run misbehaves.
+
+Position convention: a checkpoint at (stage i, stage_step s) holds the model of stage i, i.e. after
+stage i's growth and s of its steps. A fresh run starts before stage 0's growth. Everything that
+decides what happens next (weights, optimizer moments and multipliers, data cursor, RNG states,
+consecutive bad steps) is in the checkpoint, and growth draws its randomness from a seed derived
+from (seed, stage, operator index), so a killed-and-resumed CPU run repeats the uninterrupted
+run's losses and weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import resource
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from growtrain.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
+from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
+from growtrain.faults import maybe_fault
+from growtrain.model import GrowLM
+from growtrain.model.config import ModelConfig
+from growtrain.optim import AdamW, clip_grad_norm
+from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain
+from growtrain.stages import apply_growth, plan_stage_models
+from growtrain.tracking import Console, MetricsFile, Tracker, format_duration
+
+
+class TrainingDiverged(Exception):
+    """Too many consecutive non-finite steps; no checkpoint of the bad state was written."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    global_step: int
+    tokens: int
+    final_loss: float
+    final_eval_loss: float
+    growth_history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Position:
+    stage: int = 0
+    stage_step: int = 0
+    global_step: int = 0
+    tokens: int = 0
+    bad_steps: int = 0
+    grown: bool = False  # stage `stage`'s growth has been applied
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def forward_loss(model: GrowLM, inputs_BT, targets_BT, precision: str):
+    """Cross-entropy and aux loss of one micro-batch (a module-level function so tests can fake it)."""
+    with torch.autocast(inputs_BT.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        out = model(inputs_BT)
+    ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets_BT.flatten())
+    return ce, out.aux_loss.float(), out.moe_stats
+
+
+@torch.no_grad()
+def evaluate(model: GrowLM, batches, precision: str) -> float:
+    model.eval()
+    losses = [forward_loss(model, x, y, precision)[0].item() for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def seed_model_config(recipe: Recipe, corpus: Corpus) -> ModelConfig:
+    vocab = corpus.tokenizer.vocab_size
+    if recipe.model.vocab_size and recipe.model.vocab_size < vocab:
+        raise RecipeError([f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {vocab}; set it to 0 to use the tokenizer's size"])
+    return recipe.model.with_changes(vocab_size=recipe.model.vocab_size or vocab)
+
+
+def environment() -> dict:
+    """What ran: code version, package versions, device (STYLE.md item 12)."""
+    try:
+        commit = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    return {"code": commit or "unknown", "python": platform.python_version(), "torch": torch.__version__, "device": device}
+
+
+def _comparable(recipe_plain: dict) -> dict:
+    # Where metrics go and how many checkpoints are kept may change between a run and its resume.
+    return {k: v for k, v in recipe_plain.items() if k not in ("tracking", "checkpoint")}
+
+
+def _recipe_diff(a, b, path="") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _recipe_diff(a.get(k), b.get(k), f"{path}.{k}" if path else k)]
+    return [] if a == b else [f"{path}: checkpoint has {a!r}, recipe has {b!r}"]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Run:
+    def __init__(self, recipe: Recipe, run_dir: Path, log=print):
+        self.recipe = recipe
+        self.run_dir = Path(run_dir)
+        self.log = log
+        self.plain = to_plain(recipe)
+        self.ckpt = CheckpointManager(self.run_dir, recipe.checkpoint, log)
+        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl")
+        self.tracker = Tracker(recipe.tracking, self.run_dir, recipe.name, log)
+        self.history: list[dict] = []
+        self.last_loss = math.nan
+        self.last_eval = math.nan
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def _find_checkpoint(self, resume: str) -> LoadedCheckpoint | None:
+        if resume == "never":
+            if self.ckpt.complete_checkpoints():
+                raise CheckpointError(
+                    f"{self.run_dir} already holds checkpoints and --resume never was given; "
+                    "choose another --out, or remove that directory to start over"
+                )
+            return None
+        if resume == "auto":
+            return self.ckpt.load_latest()
+        return self.ckpt.resolve(Path(resume))
+
+    def _restore(self, loaded: LoadedCheckpoint, shapes: list[ModelConfig]) -> Position:
+        meta = loaded.meta
+        diff = _recipe_diff(_comparable(meta["recipe"]), _comparable(self.plain))
+        if diff:
+            raise RecipeError(
+                diff[:10] + ["resume with the recipe the run was started with, or start a new run (--out elsewhere or --resume never)"],
+                f"{loaded.path} was written by a different recipe",
+            )
+        pos = Position(meta["stage"], meta["stage_step"], meta["step"], meta["tokens"], loaded.trainer_state["bad_steps"], True)
+        self.model = GrowLM(shapes[pos.stage])
+        self.model.load_state_dict(loaded.model_state, strict=True)
+        self.optimizer = AdamW(dict(self.model.named_parameters()), self.recipe.optimizer)
+        self.optimizer.load_state_dict(loaded.trainer_state["optimizer"])
+        self.stream.load_state_dict(loaded.trainer_state["data"])
+        torch.set_rng_state(loaded.trainer_state["rng"]["torch"])
+        self.history = list(meta["growth_history"])
+        self.wandb_id = meta.get("wandb_id")
+        self.last_loss, self.last_eval = meta.get("loss", math.nan), meta.get("eval_loss", math.nan)
+        self.metrics.truncate_after(pos.global_step)
+        self.log(
+            f"resumed from {loaded.path.name}: stage {pos.stage} '{self.recipe.stages[pos.stage].name}', "
+            f"step {pos.global_step}, {pos.tokens:,} tokens"
+        )
+        return pos
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, pos: Position, stage_end: bool) -> None:
+        meta = {
+            "stage": pos.stage,
+            "stage_name": self.recipe.stages[pos.stage].name,
+            "stage_step": pos.stage_step,
+            "step": pos.global_step,
+            "tokens": pos.tokens,
+            "params_total": self.model.num_parameters(),
+            "model_config": to_plain(self.model.config),
+            "loss": self.last_loss,
+            "eval_loss": self.last_eval,
+            "wandb_id": self.wandb_id,
+            "growth_history": self.history,
+            "recipe": self.plain,
+            "environment": self.env,
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        trainer_state = {
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.stream.state_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+            "bad_steps": pos.bad_steps,
+        }
+        path = self.ckpt.save(
+            pos.global_step,
+            model_state=self.model.state_dict(),
+            trainer_state=trainer_state,
+            meta=meta,
+            stage_end=stage_end,
+            extra_files={"recipe.yaml": dump_yaml(self.recipe)},
+        )
+        self.console.write(f"checkpoint {path.name}{' (stage end)' if stage_end else ''}")
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def execute(self, resume: str = "auto") -> RunResult:
+        recipe = self.recipe
+        if recipe.train.threads:
+            torch.set_num_threads(recipe.train.threads)
+        self.env = environment()
+        torch.manual_seed(recipe.seed)
+        self.log(f"growtrain {recipe.name}: {self.env['code']}, torch {self.env['torch']}, {self.env['device']}")
+
+        corpus = load_corpus(recipe.data, recipe.seed)
+        self.log(f"data: {corpus.description}")
+        self.stream = TokenStream(corpus.train_tokens)
+        shapes = plan_stage_models(seed_model_config(recipe, corpus), [s.grow for s in recipe.stages])
+        probe = eval_batches(corpus.eval_tokens, recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len, 1)[0]
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        loaded = self._find_checkpoint(resume)
+        self.wandb_id = None
+        if loaded is not None:
+            pos = self._restore(loaded, shapes)
+        else:
+            pos = Position()
+            self.model = GrowLM(seed_model_config(recipe, corpus))
+            self.optimizer = AdamW(dict(self.model.named_parameters()), recipe.optimizer)
+            self.metrics.truncate_after(-1)
+        (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
+
+        self.wandb_id = self.tracker.start(self.plain, self.wandb_id, {"environment": self.env})
+        total = sum(s.steps for s in recipe.stages)
+        self.console = Console(total, pos.global_step, recipe.tracking.progress_bar)
+        exit_code = 1
+        try:
+            while pos.stage < len(recipe.stages):
+                stage = recipe.stages[pos.stage]
+                if pos.stage_step == stage.steps:  # resumed from this stage's end checkpoint
+                    pos = Position(pos.stage + 1, 0, pos.global_step, pos.tokens, pos.bad_steps)
+                    continue
+                if not pos.grown:
+                    self._grow(pos, stage, shapes[pos.stage], probe)
+                    pos.grown = True
+                self._train_stage(pos, stage, corpus)
+                pos = Position(pos.stage + 1, 0, pos.global_step, pos.tokens, pos.bad_steps)
+            exit_code = 0
+        finally:
+            self.console.close()
+            self.tracker.finish(exit_code)
+        self.log(f"done: step {pos.global_step}, {pos.tokens:,} tokens, loss {self.last_loss:.4f}, eval loss {self.last_eval:.4f}")
+        return RunResult(self.run_dir, pos.global_step, pos.tokens, self.last_loss, self.last_eval, self.history)
+
+    def _grow(self, pos: Position, stage: StageConfig, planned: ModelConfig, probe) -> None:
+        if not stage.grow:
+            return
+        outcome = apply_growth(
+            self.model,
+            self.optimizer.state,
+            stage.grow,
+            seed=self.recipe.seed,
+            stage_index=pos.stage,
+            stage_name=stage.name,
+            planned=planned,
+            probe=probe,
+            invariance_cfg=self.recipe.invariance,
+        )
+        self.model = outcome.model
+        self.optimizer.rebind(dict(self.model.named_parameters()), outcome.optimizer_state)
+        self.history.extend(outcome.records)
+        for r in outcome.records:
+            m = r["metrics"]
+            self.console.write(
+                f"growth [{stage.name}] {r['operator']} ({'exact' if r['exact'] else 'approximate'}): "
+                f"params {r['params_before']:,} -> {r['params_after']:,}, max|Δlogit| {m['max_abs_dlogits']:.2e}, "
+                f"rel L2 {m['rel_l2']:.2e}, cosine {m['cosine']:.6f}, Δloss {m['loss_after'] - m['loss_before']:+.2e} — passed"
+            )
+        self.tracker.log_transition(stage.name, outcome.records, pos.global_step)
+        maybe_fault("after_transition")
+
+    def _train_stage(self, pos: Position, stage: StageConfig, corpus: Corpus) -> None:
+        recipe = self.recipe
+        precision = recipe.train.precision
+        evals = eval_batches(corpus.eval_tokens, stage.batch_size, stage.seq_len, recipe.train.eval_batches)
+        params = list(self.optimizer.params.values())
+        tokens_per_step = stage.batch_size * stage.seq_len * stage.grad_accum
+        self.console.write(
+            f"stage {pos.stage + 1}/{len(recipe.stages)} '{stage.name}': {self.model.num_parameters():,} params, "
+            f"{stage.steps} steps of {tokens_per_step:,} tokens (seq {stage.seq_len} x batch {stage.batch_size} x accum {stage.grad_accum})"
+        )
+        base_lr = recipe.optimizer.lr
+        t_last = time.perf_counter()
+        while pos.stage_step < stage.steps:
+            lr = stage.lr(pos.stage_step, base_lr)
+            ce_sum = aux_sum = 0.0
+            loads = None
+            for _ in range(stage.grad_accum):
+                inputs, targets = self.stream.next_batch(stage.batch_size, stage.seq_len)
+                ce, aux, stats = forward_loss(self.model, inputs, targets, precision)
+                ((ce + aux) / stage.grad_accum).backward()
+                ce_sum += ce.item() / stage.grad_accum
+                aux_sum += aux.item() / stage.grad_accum
+                loads = [s.load for s in stats] if loads is None else [a + s.load for a, s in zip(loads, stats)]
+            maybe_fault("step_mid")
+            grad_norm = clip_grad_norm(params, recipe.optimizer.grad_clip)
+            finite = math.isfinite(ce_sum) and math.isfinite(aux_sum) and math.isfinite(grad_norm)
+            if finite:
+                self.optimizer.step(lr)
+                if loads:
+                    self.model.update_balance_biases(loads)
+                pos.bad_steps = 0
+            else:
+                pos.bad_steps += 1
+                self.console.write(
+                    f"step {pos.global_step + 1}: non-finite loss {ce_sum} / grad norm {grad_norm}; step skipped "
+                    f"({pos.bad_steps} in a row, stopping after {recipe.optimizer.max_bad_steps})"
+                )
+                if pos.bad_steps > recipe.optimizer.max_bad_steps:
+                    raise TrainingDiverged(
+                        f"{pos.bad_steps} consecutive non-finite steps at step {pos.global_step + 1} (stage '{stage.name}'); "
+                        "no checkpoint of this state was written: resume restarts from the last good one. "
+                        "Lower the LR, raise warmup, or use fp32."
+                    )
+            self.optimizer.zero_grad()
+            pos.stage_step += 1
+            pos.global_step += 1
+            pos.tokens += tokens_per_step
+            now = time.perf_counter()
+            record = {
+                "step": pos.global_step,
+                "stage": stage.name,
+                "loss": ce_sum,
+                "aux_loss": aux_sum,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens": pos.tokens,
+                "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
+                "skipped": not finite,
+            }
+            t_last = now
+            if finite:
+                self.last_loss = ce_sum
+            stage_end = pos.stage_step == stage.steps
+            if stage_end or (recipe.train.eval_every and pos.global_step % recipe.train.eval_every == 0):
+                self.last_eval = evaluate(self.model, evals, precision)
+                record["eval_loss"] = self.last_eval
+            self.metrics.append(record)
+            wandb_metrics = {k: v for k, v in record.items() if k not in ("step", "stage")}
+            wandb_metrics["stage_index"] = pos.stage
+            if loads:
+                for i, load in enumerate(loads):
+                    wandb_metrics[f"moe/layer{i}/load_max_over_mean"] = (load.max() / load.mean().clamp_min(1e-9)).item()
+            if pos.global_step % recipe.train.log_every == 0 or stage_end:
+                rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                wandb_metrics["memory/peak_rss_mb"] = rss_mb
+                evl = f" eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+                self.console.write(
+                    f"[{stage.name}] step {pos.global_step}/{self.console.total} loss {ce_sum:.4f}{evl} lr {lr:.2e} "
+                    f"gnorm {grad_norm:.3f} tok/s {record['tokens_per_s']:,.0f} mem {rss_mb:,.0f}MB "
+                    f"eta {format_duration(self.console.eta_seconds(pos.global_step))}"
+                )
+            self.tracker.log_metrics(wandb_metrics, pos.global_step)
+            self.console.advance(pos.global_step)
+            if stage_end or self.ckpt.should_save(pos.global_step):
+                self.save(pos, stage_end)
+
+
+def run(recipe: Recipe, run_dir: Path, resume: str = "auto", log=print) -> RunResult:
+    return Run(recipe, run_dir, log).execute(resume)
+

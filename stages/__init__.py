@@ -1,0 +1,19 @@
+"""Growth: operators, their optimizer-state mapping, invariance checks and the stage-transition
+driver. The trainer uses only the names exported here."""
+
+from growtrain.stages.registry import OPERATORS, GrowthPlanError, Operator, Provenance, get_operator, register
+from growtrain.stages import operators as _operators  # noqa: F401  (registers the built-in operators)
+from growtrain.stages.transition import GrowthCheckFailed, GrowthOutcome, apply_growth, plan_stage_models
+
+__all__ = [
+    "OPERATORS",
+    "GrowthCheckFailed",
+    "GrowthOutcome",
+    "GrowthPlanError",
+    "Operator",
+    "Provenance",
+    "apply_growth",
+    "get_operator",
+    "plan_stage_models",
+    "register",
+]

@@ -1,0 +1,88 @@
+"""deepen: insert identity coupling blocks.
+
+A block whose attention out-projection and FFN/expert down-projections are zero adds nothing to
+either stream (y1 = x1 + 0, y2 = x2 + 0), so the grown model computes the same logits. The other
+weights are copied from the block before it ('copy') or drawn fresh ('fresh'); either way the new
+block's parameters are new parameters with fresh optimizer state and their own step count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from growtrain.model.config import ModelConfig
+from growtrain.stages.common import fresh_state, materialize
+from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
+
+_OUTPUT_PROJECTIONS = ("f.attn.wo.weight", "g.ffn.w_down.weight", "g.ffn.experts.w_down", "g.ffn.shared.w_down.weight")
+
+
+@dataclass(frozen=True)
+class DeepenArgs:
+    after: tuple[int, ...] = field(default=(), metadata={"doc": "Insert one new block after each listed (current) block index; empty: after every block."})
+    init: Literal["copy", "fresh"] = field(default="copy", metadata={"doc": "New blocks' non-output weights: copied from the block before, or fresh."})
+
+
+def _positions(cfg: ModelConfig, args: DeepenArgs) -> list[int]:
+    return sorted(args.after) if args.after else list(range(cfg.n_layers))
+
+
+def _index_maps(cfg: ModelConfig, positions: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """old block -> new index, and new (inserted) block -> the old block it follows."""
+    old_to_new, inserted, j = {}, {}, 0
+    for i in range(cfg.n_layers):
+        old_to_new[i] = j
+        j += 1
+        for _ in range(positions.count(i)):
+            inserted[j] = i
+            j += 1
+    return old_to_new, inserted
+
+
+def plan(cfg: ModelConfig, args: DeepenArgs) -> ModelConfig:
+    positions = _positions(cfg, args)
+    for i in positions:
+        if not 0 <= i < cfg.n_layers:
+            raise GrowthPlanError(f"deepen: block {i} does not exist (the model has {cfg.n_layers} blocks at this point)")
+    old_to_new, inserted = _index_maps(cfg, positions)
+    moe_layers = [old_to_new[i] for i in cfg.moe_layers] + [n for n, o in inserted.items() if cfg.is_moe_layer(o)]
+    return cfg.with_changes(n_layers=cfg.n_layers + len(positions), moe_layers=tuple(sorted(moe_layers)))
+
+
+def apply(model, args: DeepenArgs) -> Growth:
+    old_cfg = model.config
+    new_cfg = plan(old_cfg, args)
+    old_to_new, inserted = _index_maps(old_cfg, _positions(old_cfg, args))
+    new_to_old = {n: o for o, n in old_to_new.items()}
+    old = model.state_dict()
+    new = fresh_state(new_cfg)
+    params = {n for n, _ in model.named_parameters()}
+    provenance: dict[str, Provenance] = {}
+    for name in list(new):
+        parts = name.split(".")
+        if parts[0] != "blocks":
+            new[name] = old[name]
+            if name in params:
+                provenance[name] = Provenance("carried", name)
+            continue
+        index, rest = int(parts[1]), ".".join(parts[2:])
+        if index in new_to_old:
+            source = f"blocks.{new_to_old[index]}.{rest}"
+            new[name] = old[source]
+            if source in params:
+                provenance[name] = Provenance("carried", source)
+            continue
+        neighbour = f"blocks.{inserted[index]}.{rest}"
+        if args.init == "copy":
+            new[name] = old[neighbour].clone()
+        if rest in _OUTPUT_PROJECTIONS:
+            new[name] = torch.zeros_like(new[name])
+        if neighbour in params:
+            provenance[name] = Provenance("new", neighbour if args.init == "copy" else None)
+    return Growth(materialize(new_cfg, new), provenance)
+
+
+register(Operator("deepen", True, "Insert identity blocks (zero output projections) after given blocks.", DeepenArgs, plan, apply))

@@ -1,0 +1,93 @@
+"""upcycle_moe: turn dense SwiGLU FFNs into MoE layers whose experts are all copies of the FFN.
+
+Exact: with gates renormalized over the selected experts they sum to 1, and every expert computes
+the same function, so the layer's output is the dense FFN's whatever the (fresh, small) router
+chooses. Each expert weight is a copy (β = 1) of the dense weight, S = E copies: moments m/E, v/E².
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from growtrain.model.config import ModelConfig, MoEConfig
+from growtrain.stages.common import fresh_state, materialize
+from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
+
+
+@dataclass(frozen=True)
+class UpcycleArgs:
+    num_experts: int = field(default=8, metadata={"doc": "Experts per upcycled layer.", "ge": 1})
+    top_k: int = field(default=2, metadata={"doc": "Experts per token.", "ge": 1})
+    layers: tuple[int, ...] = field(default=(), metadata={"doc": "Dense blocks to upcycle; empty: every dense block."})
+    score_func: Literal["softmax", "sigmoid"] = field(default="softmax", metadata={"doc": "Router score function."})
+    aux_loss_coef: float = field(default=0.01, metadata={"doc": "Load-balance loss weight.", "ge": 0.0})
+    z_loss_coef: float = field(default=0.001, metadata={"doc": "Router z-loss weight.", "ge": 0.0})
+    balance_bias_rate: float = field(default=0.0, metadata={"doc": "Loss-free balancing bias rate; 0: off.", "ge": 0.0})
+    router_init_std: float = field(default=0.02, metadata={"doc": "Std of the fresh router.", "gt": 0.0})
+    expert_backend: str = field(default="reference", metadata={"doc": "Expert compute backend."})
+
+
+def _targets(cfg: ModelConfig, args: UpcycleArgs) -> list[int]:
+    return list(args.layers) or [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]
+
+
+def plan(cfg: ModelConfig, args: UpcycleArgs) -> ModelConfig:
+    if args.top_k > args.num_experts:
+        raise GrowthPlanError(f"upcycle_moe: top_k {args.top_k} exceeds num_experts {args.num_experts}")
+    targets = _targets(cfg, args)
+    if not targets:
+        raise GrowthPlanError("upcycle_moe: the model has no dense block left to upcycle")
+    for i in targets:
+        if not 0 <= i < cfg.n_layers:
+            raise GrowthPlanError(f"upcycle_moe: layer {i} does not exist (the model has {cfg.n_layers} blocks at this point)")
+        if cfg.is_moe_layer(i):
+            raise GrowthPlanError(f"upcycle_moe: layer {i} is already an MoE layer")
+    moe = MoEConfig(
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        expert_hidden=cfg.ffn_hidden,
+        score_func=args.score_func,
+        aux_loss_coef=args.aux_loss_coef,
+        z_loss_coef=args.z_loss_coef,
+        balance_bias_rate=args.balance_bias_rate,
+        router_init_std=args.router_init_std,
+        expert_backend=args.expert_backend,
+    )
+    if cfg.moe is not None and cfg.moe != moe:
+        raise GrowthPlanError("upcycle_moe: the model already has MoE layers with other settings; upcycle with the same settings")
+    return cfg.with_changes(moe=moe, moe_layers=tuple(sorted(set(cfg.moe_layers) | set(targets))))
+
+
+def apply(model, args: UpcycleArgs) -> Growth:
+    old_cfg = model.config
+    new_cfg = plan(old_cfg, args)
+    old = model.state_dict()
+    new = fresh_state(new_cfg)
+    provenance: dict[str, Provenance] = {}
+    params = {n for n, _ in model.named_parameters()}
+    targets = set(_targets(old_cfg, args))
+    E = args.num_experts
+    for name in list(new):
+        parts = name.split(".")
+        block = int(parts[1]) if parts[0] == "blocks" else None
+        if block in targets and parts[2] == "g" and parts[3] == "ffn" and parts[4] != "experts":
+            if name.endswith("router.weight"):
+                provenance[name] = Provenance("new")  # small random: exactness does not depend on it
+            continue  # router buffers stay fresh (zero bias)
+        if block in targets and parts[4:5] == ["experts"]:
+            matrix = parts[5]  # w_gate / w_up / w_down
+            source = f"blocks.{block}.g.ffn.{matrix}.weight"
+            expand = lambda t, E=E: t.unsqueeze(0).expand(E, *t.shape).clone()  # noqa: E731
+            new[name] = expand(old[source])
+            provenance[name] = Provenance("copy", source, expand, copies=E, beta=1.0)
+            continue
+        new[name] = old[name]
+        if name in params:
+            provenance[name] = Provenance("carried", name)
+    return Growth(materialize(new_cfg, new), provenance)
+
+
+register(Operator("upcycle_moe", True, "Dense FFN → MoE whose experts are exact copies (renormalized gates sum to 1).", UpcycleArgs, plan, apply))
