@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; the newest checkpoint is intact: run the same command to resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `growtrain print-config r.yaml | head`: the reader left; silence the exit-time flush too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:  # noqa: BLE001 — user-facing errors become messages, bugs keep their traceback
         code = _user_error_code(exc)
         if code is None:
@@ -159,6 +164,10 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature), ("--top-k", args.top_k)):
+        if value < 0:
+            print(f"error: {flag} must be >= 0, got {value}", file=sys.stderr)
+            return 2
     from growtrain.generate import generate_from_checkpoint
 
     text = generate_from_checkpoint(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)

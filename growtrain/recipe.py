@@ -57,8 +57,8 @@ class ScheduleConfig:
 class GrowthStep:
     """One growth operator applied at a stage start: `{op: NAME, ...its arguments}` in YAML."""
 
-    op: str
-    args: Any  # the operator's own frozen args dataclass
+    op: str = field(metadata={"doc": "Operator name (one of the growth operators below); its arguments sit beside it."})
+    args: Any = field(metadata={"doc": "The operator's own frozen args dataclass."})
 
     def to_plain(self) -> dict:
         return {"op": self.op, **to_plain(self.args)}
@@ -90,7 +90,7 @@ class StageConfig:
             return peak
         if s.kind == "cosine":
             span = max(1, self.steps - s.warmup_steps)
-            progress = min(1.0, (step - s.warmup_steps) / span)
+            progress = min(1.0, (step - s.warmup_steps + 1) / span)
             return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
         decay_steps = max(1, round(self.steps * s.decay_fraction))
         decay_start = self.steps - decay_steps
@@ -172,16 +172,22 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise RecipeError([f"no such recipe file: {path}"], str(path))
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError([f"cannot read the recipe file: {exc}"], str(path)) from None
     try:
         node = yaml.compose(text)
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise RecipeError([f"not valid YAML: {exc}".replace("\n", " ")], str(path)) from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).replace("\n", " ")
+        raise RecipeError([f"not valid YAML{where}: {what}"], str(path)) from None
     if raw is None:
         raw = {}
     lines = _line_map(node) if node is not None else {}
-    problems: list[str] = []
+    problems: list[str] = _duplicate_keys(node) if node is not None else []
     if not isinstance(raw, dict):
         raise RecipeError(["the top level must be a mapping of sections (model, data, stages, ...)"], str(path))
     for item in overrides:
@@ -203,10 +209,19 @@ def recipe_from_dict(raw: dict) -> Recipe:
 def parse_recipe(raw: dict, problems: list[str], lines: dict) -> Recipe:
     ctx = _Ctx(problems, lines)
     recipe = ctx.build(Recipe, raw, ())
-    if recipe is None:
+    if recipe is not None:
+        _check_recipe(recipe.model, list(recipe.stages), ctx)
+        return recipe
+    # Some field is invalid: still check the sections that did build (None: could not build).
+    if not isinstance(raw, dict):
         return Recipe()
-    _check_recipe(recipe, ctx)
-    return recipe
+    model = ctx.built.get(("model",)) if "model" in raw else ModelConfig()
+    raw_stages = raw.get("stages")
+    stages = [ctx.built.get(("stages", i)) for i in range(len(raw_stages))] if isinstance(raw_stages, list) else None
+    if "stages" not in raw:
+        stages = []
+    _check_recipe(model, stages, ctx)
+    return Recipe()
 
 
 def _apply_override(raw: dict, item: str, problems: list[str], lines: dict) -> None:
@@ -219,6 +234,7 @@ def _apply_override(raw: dict, item: str, problems: list[str], lines: dict) -> N
     except yaml.YAMLError:
         value = value_text
     parts = key.split(".")
+    where: list = []  # the path as the line map spells it (list indices as ints)
     target: Any = raw
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -230,13 +246,33 @@ def _apply_override(raw: dict, item: str, problems: list[str], lines: dict) -> N
         elif not isinstance(target, dict):
             problems.append(f"--set {key}: {'.'.join(parts[:i])} is not a section")
             return
+        where.append(part)
         if last:
             target[part] = value
-            lines[tuple(parts)] = "--set"
+            lines[tuple(where)] = "--set"
         else:
             if isinstance(target, dict) and target.get(part) is None:
                 target[part] = {}
             target = target[part]
+
+
+def _duplicate_keys(node, path=()) -> list[str]:
+    """YAML keeps the last of two equal keys silently; a recipe that says `steps:` twice is a mistake."""
+    out = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict = {}
+        for key_node, value_node in node.value:
+            key, line = key_node.value, key_node.start_mark.line + 1
+            dotted = ".".join(str(p) for p in path + (key,))
+            if key in first:
+                out.append(f"{dotted} (line {line}): duplicate key; it is already set on line {first[key]}")
+            else:
+                first[key] = line
+            out.extend(_duplicate_keys(value_node, path + (key,)))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out.extend(_duplicate_keys(item, path + (i,)))
+    return out
 
 
 def _line_map(node, path=()) -> dict:
@@ -256,6 +292,7 @@ class _Ctx:
     def __init__(self, problems: list[str], lines: dict):
         self.problems = problems
         self.lines = lines
+        self.built: dict[tuple, Any] = {}  # path -> the object built there, for cross-checks of a partly invalid recipe
 
     def where(self, path) -> str:
         dotted = ".".join(str(p) for p in path) or "recipe"
@@ -298,13 +335,17 @@ class _Ctx:
                 ok = False
                 continue
             values[name] = value
-        if cls is StageConfig and "grow" in raw:
-            values["grow"] = self.build_growth(raw["grow"], path + ("grow",))
-            ok = ok and values["grow"] is not None
+            self.built[sub] = value
+        if cls is StageConfig:
+            grow = self.build_growth(raw["grow"], path + ("grow",)) if "grow" in raw else ()
+            self.built[path + ("grow",)] = grow
+            ok = ok and grow is not None
+            values["grow"] = grow
         if not ok:
             return None
         try:
-            return cls(**values)
+            self.built[path] = cls(**values)
+            return self.built[path]
         except (TypeError, ValueError) as exc:
             self.error(path, str(exc))
             return None
@@ -415,29 +456,49 @@ def _kind(value) -> str:
     ) + (f" ({value!r})" if isinstance(value, (bool, int, float, str)) else "")
 
 
-def _check_recipe(recipe: Recipe, ctx: _Ctx) -> None:
-    """Cross-field checks: the model shape, the stage list, and the growth chain."""
-    for where, msg in model_problems(recipe.model):
-        ctx.error(("model",) + where, msg)
-    if not recipe.stages:
+def _check_recipe(model: ModelConfig | None, stages: list[StageConfig | None] | None, ctx: _Ctx) -> None:
+    """Cross-field checks: the model shape, the stage list, and the growth chain. A part that is
+    None failed to build (its problems are already listed) and is skipped."""
+    if model is not None:
+        for where, msg in model_problems(model):
+            ctx.error(("model",) + where, msg)
+    if stages is None:
+        return
+    if not stages:
         ctx.error(("stages",), "at least one stage is needed")
         return
     seen: dict[str, int] = {}
-    for i, stage in enumerate(recipe.stages):
-        if not stage.name:
+    for i, stage in enumerate(stages):
+        name = stage.name if stage is not None else ctx.built.get(("stages", i, "name"))
+        if name is None:  # invalid stage and name: already reported
+            pass
+        elif not name:
             ctx.error(("stages", i, "name"), "every stage needs a name")
-        elif stage.name in seen:
-            ctx.error(("stages", i, "name"), f"stage name '{stage.name}' is already used by stage {seen[stage.name]}")
+        elif name in seen:
+            ctx.error(("stages", i, "name"), f"stage name '{name}' is already used by stage {seen[name]}")
         else:
-            seen[stage.name] = i
+            seen[name] = i
+        if stage is None:
+            continue
         if stage.schedule.warmup_steps > stage.steps:
             ctx.error(("stages", i, "schedule", "warmup_steps"), f"{stage.schedule.warmup_steps} warmup steps exceed the stage's {stage.steps} steps")
-    if model_problems(recipe.model):
+        elif stage.schedule.kind == "wsd":
+            decay = max(1, round(stage.steps * stage.schedule.decay_fraction))  # as in StageConfig.lr
+            if stage.steps - decay < stage.schedule.warmup_steps:
+                ctx.error(
+                    ("stages", i, "schedule", "decay_fraction"),
+                    f"wsd: the final decay ({decay} steps) overlaps the {stage.schedule.warmup_steps} warmup steps of this "
+                    f"{stage.steps}-step stage; lower decay_fraction or warmup_steps",
+                )
+    if model is None or model_problems(model):
         return
+    # Plan up to the first stage whose growth list is invalid: later shapes are unknown.
+    grows = [s.grow if s is not None else ctx.built.get(("stages", i, "grow")) for i, s in enumerate(stages)]
+    grows = grows[: grows.index(None)] if None in grows else grows
     from growtrain.stages import GrowthPlanError, plan_stage_models
 
     try:
-        plan_stage_models(recipe.model, [s.grow for s in recipe.stages])
+        plan_stage_models(model, grows)
     except GrowthPlanError as exc:
         ctx.error(("stages", exc.stage_index, "grow", exc.step_index), exc.message)
 
@@ -527,14 +588,7 @@ def schema_markdown() -> str:
         for f in dataclasses.fields(cls):
             if f.name == "args" and cls is GrowthStep:
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else (
-                "(section)" if f.default_factory is not dataclasses.MISSING else "required"
-            )
-            if dataclasses.is_dataclass(default):
-                default = "(section)"
-            rng = ", ".join(f"{k} {f.metadata[k]}" for k in ("ge", "gt", "le", "lt") if k in f.metadata)
-            doc = f.metadata.get("doc", "") + (f" Range: {rng}." if rng else "")
-            out.append(f"| `{f.name}` | {_type_name(hints[f.name])} | `{default!r}` | {doc} |".replace("`'", "`").replace("'`", "`"))
+            out.append(_field_row(f, hints[f.name]))
             for inner in _dataclasses_in(hints[f.name]):
                 nested.append((inner, f"{title}.{f.name}" if title != "recipe" else f.name))
         out.append("")
@@ -548,10 +602,32 @@ def schema_markdown() -> str:
         out.extend(["", op.doc, "", "| key | type | default | meaning |", "|---|---|---|---|"])
         hints = typing.get_type_hints(op.args_type)
         for f in dataclasses.fields(op.args_type):
-            default = f.default if f.default is not dataclasses.MISSING else "required"
-            out.append(f"| `{f.name}` | {_type_name(hints[f.name])} | `{default!r}` | {f.metadata.get('doc', '')} |")
+            out.append(_field_row(f, hints[f.name]))
         out.append("")
     return "\n".join(out)
+
+
+def _field_row(f: dataclasses.Field, hint) -> str:
+    """One Markdown table row; defaults spelled as in YAML, '|' escaped so the table stays intact."""
+    if f.default is not dataclasses.MISSING:
+        default = f"`{_yaml_text(f.default)}`"
+    else:
+        default = "(section)" if f.default_factory is not dataclasses.MISSING else "required"
+    rng = ", ".join(f"{k} {f.metadata[k]}" for k in ("ge", "gt", "le", "lt") if k in f.metadata)
+    doc = f.metadata.get("doc", "") + (f" Range: {rng}." if rng else "")
+    return f"| `{f.name}` | {_type_name(hint)} | {default} | {doc.replace('|', chr(92) + '|')} |"
+
+
+def _yaml_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_yaml_text(v) for v in value) + "]"
+    if isinstance(value, str):
+        return value or "''"
+    return repr(value)
 
 
 def _dataclasses_in(hint):

@@ -62,7 +62,6 @@ class Tracker:
             return run_id
         import wandb  # lazy: slow import, optional at run time
 
-        self.run_id = run_id or wandb.util.generate_id()
         # Offline runs cannot resume on the W&B side: a resumed offline run starts a new local run
         # directory with the same id, which `wandb sync` merges later.
         self._run = wandb.init(
@@ -70,13 +69,14 @@ class Tracker:
             entity=self.cfg.wandb.entity,
             name=self.run_name,
             tags=list(self.cfg.wandb.tags),
-            id=self.run_id,
+            id=run_id,  # None: W&B makes one, and we keep it in every checkpoint
             resume="allow",
             mode=self.mode,
             dir=str(self.run_dir),
             config={"recipe": resolved_recipe, **extra_config},
             settings=wandb.Settings(console="off", silent=True),
         )
+        self.run_id = self._run.id
         where = self._run.dir if self.mode == "offline" else getattr(self._run, "url", "")
         self.log(f"W&B {self.mode}: run {self.run_id} ({where})")
         return self.run_id
@@ -143,8 +143,9 @@ class Console:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=done_steps, unit="step", dynamic_ncols=True, leave=False)
-        self._t0 = time.perf_counter()
-        self._done0 = done_steps
+        self._t_last = time.perf_counter()
+        self._step_last = done_steps
+        self._sec_per_step = float("nan")
 
     def write(self, line: str) -> None:
         if self._bar is not None:
@@ -153,13 +154,17 @@ class Console:
             print(line, flush=True)
 
     def advance(self, step: int) -> None:
+        now = time.perf_counter()
+        if step > self._step_last:
+            rate = (now - self._t_last) / (step - self._step_last)
+            # Recent speed, not the run's average: growth makes later steps slower.
+            self._sec_per_step = rate if self._sec_per_step != self._sec_per_step else 0.9 * self._sec_per_step + 0.1 * rate
+        self._t_last, self._step_last = now, step
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
 
     def eta_seconds(self, step: int) -> float:
-        elapsed = time.perf_counter() - self._t0
-        done = step - self._done0
-        return elapsed / done * (self.total - step) if done > 0 else float("nan")
+        return self._sec_per_step * (self.total - step)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -226,6 +226,11 @@ class Run:
         (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
 
         self.wandb_id = self.tracker.start(self.plain, self.wandb_id, {"environment": self.env})
+        if loaded is not None and self.tracker.mode == "offline":
+            # A killed offline run loses what W&B had not flushed, and its resume is a new local run:
+            # replay the durable history so the new one holds every step (`wandb sync` that one).
+            for row in self.metrics.read():
+                self.tracker.log_metrics({k: v for k, v in row.items() if k not in ("step", "stage")}, row["step"])
         total = sum(s.steps for s in recipe.stages)
         self.console = Console(total, pos.global_step, recipe.tracking.progress_bar)
         exit_code = 1

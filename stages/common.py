@@ -18,6 +18,8 @@ def materialize(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> GrowLM:
     return model
 
 
-def fresh_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A freshly initialized state dict of shape `cfg`, drawn from the current (seeded) RNG."""
-    return GrowLM(cfg).state_dict()
+def fresh_state(cfg: ModelConfig, like: GrowLM) -> dict[str, torch.Tensor]:
+    """A freshly initialized state dict of shape `cfg`, drawn from the current (seeded) RNG on the
+    CPU (same draws whatever the device), then put on `like`'s device and dtype."""
+    ref = next(like.parameters())
+    return {k: v.to(device=ref.device, dtype=ref.dtype if v.is_floating_point() else v.dtype) for k, v in GrowLM(cfg).state_dict().items()}

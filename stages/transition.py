@@ -4,7 +4,7 @@ with the optimizer state, checking each application before the next stage may tr
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -56,20 +56,23 @@ def map_optimizer_state(old: dict[str, ParamState], model, provenance: dict[str,
         if prov.kind == "carried":
             new[name] = old[prov.source]
         elif prov.kind == "copy":
-            s = old[prov.source]
-            t = prov.transform
-            mult = lambda m, f: t(m) * f if isinstance(m, torch.Tensor) else m * f  # noqa: E731
+            s, t = old[prov.source], prov.transform
             new[name] = ParamState(
                 s.step,
                 t(s.exp_avg) / prov.copies,
                 t(s.exp_avg_sq) / prov.copies**2,
-                mult(s.lr_mult, prov.beta),
-                mult(s.wd_mult, 1 / prov.beta),
-                mult(s.eps_mult, 1 / prov.copies),
+                _scaled(s.lr_mult, t, prov.beta),
+                _scaled(s.wd_mult, t, 1 / prov.beta),
+                _scaled(s.eps_mult, t, 1 / prov.copies),
             )
         else:
             new[name] = ParamState.fresh(p, decays(name, p))
     return new
+
+
+def _scaled(mult, transform, factor):
+    """A multiplier (float, or tensor shaped like its parameter) carried through `transform` and scaled."""
+    return transform(mult) * factor if isinstance(mult, torch.Tensor) else mult * factor
 
 
 def growth_seed(seed: int, stage_index: int, step_index: int) -> int:
@@ -124,8 +127,8 @@ def apply_growth(model, optimizer_state, steps, *, seed, stage_index, stage_name
             raise GrowthCheckFailed(record)
         optimizer_state = map_optimizer_state(optimizer_state, new_model, growth.provenance)
         model = new_model
-    if model.config != planned:
-        raise GrowthCheckFailed({**records[-1], "passed": False, "problems": [f"grown shape {model.config} differs from the planned {planned}"]})
+    if model.config != planned:  # the recipe's plan and the operators' results disagree: a bug, never train on
+        raise RuntimeError(f"stage {stage_name}: grown shape {model.config} differs from the planned {planned}")
     return GrowthOutcome(model, optimizer_state, records)
 
 

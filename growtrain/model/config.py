@@ -24,12 +24,13 @@ class MoEConfig:
         default=0.0,
         metadata={
             "doc": "Loss-free balancing: per-step update of a selection-only router bias "
-            "(sign of the load error times this rate); 0 disables it."
+            "(sign of the load error times this rate); 0 disables it.",
+            "ge": 0.0,
         },
     )
-    aux_loss_coef: float = field(default=0.01, metadata={"doc": "Weight of the load-balance loss."})
-    z_loss_coef: float = field(default=0.001, metadata={"doc": "Weight of the router z-loss."})
-    router_init_std: float = field(default=0.02, metadata={"doc": "Std of the router's initial weights."})
+    aux_loss_coef: float = field(default=0.01, metadata={"doc": "Weight of the load-balance loss.", "ge": 0.0})
+    z_loss_coef: float = field(default=0.001, metadata={"doc": "Weight of the router z-loss.", "ge": 0.0})
+    router_init_std: float = field(default=0.02, metadata={"doc": "Std of the router's initial weights.", "gt": 0.0})
     expert_backend: str = field(
         default="reference", metadata={"doc": "Expert compute backend (a registry name, e.g. 'reference')."}
     )

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from growtrain.model.config import ModelConfig
-from growtrain.model.layers import AttentionBranch, FFNBranch, RMSNorm, SwiGLU, out_proj_std
+from growtrain.model.layers import AttentionBranch, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
 from growtrain.model.moe import MoE, MoEStats, update_balance_bias
 
 
@@ -100,7 +100,9 @@ class GrowLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens_BT: torch.Tensor) -> ModelOutput:
-        x_BTD = self.embed(tokens_BT).float()
+        # Streams in fp32 (bf16 streams drift ~1e-3 per block); an fp64 model keeps fp64 for exact tests.
+        x_BTD = self.embed(tokens_BT)
+        x_BTD = x_BTD.to(compute_dtype(x_BTD.dtype))
         x1, x2 = x_BTD, x_BTD
         stats: list[MoEStats] = []
         for block in self.blocks:

@@ -58,7 +58,7 @@ def apply(model, args: DeepenArgs) -> Growth:
     old_to_new, inserted = _index_maps(old_cfg, _positions(old_cfg, args))
     new_to_old = {n: o for o, n in old_to_new.items()}
     old = model.state_dict()
-    new = fresh_state(new_cfg)
+    new = fresh_state(new_cfg, model)
     params = {n for n, _ in model.named_parameters()}
     provenance: dict[str, Provenance] = {}
     for name in list(new):

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 
 from growtrain.model.config import ModelConfig, MoEConfig
 from growtrain.stages.common import fresh_state, materialize
@@ -65,7 +64,7 @@ def apply(model, args: UpcycleArgs) -> Growth:
     old_cfg = model.config
     new_cfg = plan(old_cfg, args)
     old = model.state_dict()
-    new = fresh_state(new_cfg)
+    new = fresh_state(new_cfg, model)
     provenance: dict[str, Provenance] = {}
     params = {n for n, _ in model.named_parameters()}
     targets = set(_targets(old_cfg, args))

@@ -1,0 +1,94 @@
+"""Shared fixtures: a micro recipe (three stages, ~20 steps, a few seconds on CPU) and helpers to
+run the CLI in a subprocess, the way a user does."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+MICRO = {
+    "name": "micro",
+    "seed": 3,
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64},
+    "data": {"source": "builtin:pydoc_topics", "max_bytes": 120_000, "eval_fraction": 0.1},
+    "optimizer": {"lr": 0.003},
+    "train": {"log_every": 2, "eval_every": 6, "eval_batches": 1},
+    "stages": [
+        {"name": "dense", "steps": 8, "seq_len": 32, "batch_size": 4, "schedule": {"warmup_steps": 2}},
+        {
+            "name": "moe",
+            "steps": 6,
+            "seq_len": 32,
+            "batch_size": 4,
+            "grad_accum": 2,
+            "grow": [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2, "balance_bias_rate": 0.01}],
+            "schedule": {"warmup_steps": 2, "kind": "wsd"},
+        },
+        {
+            "name": "deep",
+            "steps": 6,
+            "seq_len": 48,
+            "batch_size": 3,
+            "grow": [{"op": "deepen", "after": [0]}],
+            "schedule": {"warmup_steps": 1},
+        },
+    ],
+    "checkpoint": {"every_steps": 4, "keep_last": 2},
+    "invariance": {"probe_batch_size": 2, "probe_seq_len": 32},
+    "tracking": {"wandb": {"mode": "disabled"}, "progress_bar": False},
+}
+
+
+@pytest.fixture
+def micro_recipe(tmp_path):
+    """Write the micro recipe (optionally changed) and return its path."""
+
+    def write(changes: dict | None = None, name: str = "micro.yaml") -> Path:
+        raw = copy.deepcopy(MICRO)
+        _merge(raw, changes or {})
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return path
+
+    return write
+
+
+def _merge(base: dict, changes: dict) -> None:
+    for k, v in changes.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+
+
+def cli_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "GROWTRAIN_"))}
+    env.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"})
+    env.update(extra)
+    return env
+
+
+def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "growtrain", *map(str, args)],
+        cwd=REPO,
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
+    """(step, loss, eval_loss) per step from metrics.jsonl."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["step"], r["loss"], r.get("eval_loss")) for r in rows]

@@ -1,0 +1,254 @@
+"""The command line as a user meets it: help, exit codes, messages instead of tracebacks, and the
+committed recipe reference. In-process through `main` where that suffices; a subprocess where the
+exit path or the imported modules matter."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from growtrain.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny.yaml"
+REFERENCE = REPO / "docs" / "recipe-reference.md"
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "growtrain", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def assert_clean_failure(out: str, err: str) -> None:
+    assert "Traceback" not in out + err, out + err
+
+
+# ---------------------------------------------------------------------------------------------
+# Help
+
+
+def test_help_exits_0_and_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for name in subcommands():
+        assert name in out
+
+
+@pytest.mark.parametrize("name", sorted(subcommands()))
+def test_every_subcommand_help_exits_0_and_mentions_its_arguments(name, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([name, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for action in subcommands()[name]._actions:
+        token = action.option_strings[-1] if action.option_strings else action.dest
+        assert token in out, f"`growtrain {name} --help` does not mention {token}"
+
+
+def test_no_command_prints_help_and_exits_0(capsys):
+    assert main([]) == 0
+    assert "usage: growtrain" in capsys.readouterr().out
+
+
+def test_importing_the_cli_imports_no_heavy_dependency():
+    # --help must be instant: torch, datasets and wandb are imported by the commands that need them.
+    code = (
+        "import sys, growtrain.cli as c; c.build_parser().format_help(); "
+        "print(','.join(m for m in ('torch', 'datasets', 'wandb') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"importing growtrain.cli imported: {done.stdout.strip()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# validate / print-config / schema
+
+BROKEN = """\
+name: broken
+model:
+  d_model: 32
+  n_layers: 2
+  n_heads: 2
+  d_modle: 64
+train:
+  log_every: "often"
+data:
+  eval_fraction: 0.9
+optimizer:
+  lr: 3e-4
+  beta2: 1.0
+stagse: []
+stages:
+  - name: dense
+    steps: 0
+    bach_size: 4
+  - name: dense
+    steps: 10
+    schedule: {warmup_steps: 20}
+  - name: deep
+    grow:
+      - {op: deepen, after: [5]}
+"""
+
+BROKEN_PROBLEMS = [
+    "model.d_modle (line 6): unknown key 'd_modle'; did you mean 'd_model'?",
+    "train.log_every (line 8): expected an integer, got a string ('often')",
+    "data.eval_fraction (line 10): 0.9 is out of range",
+    "optimizer.beta2 (line 13): 1.0 is out of range",
+    "stagse (line 14): unknown key 'stagse'; did you mean 'stages'?",
+    "stages.0.steps (line 17): 0 is out of range",
+    "stages.0.bach_size (line 18): unknown key 'bach_size'; did you mean 'batch_size'?",
+    "stages.1.name (line 19): stage name 'dense' is already used by stage 0",
+    "stages.1.schedule.warmup_steps (line 21): 20 warmup steps exceed the stage's 10 steps",
+    "stages.2.grow.0 (line 24): deepen: block 5 does not exist",
+]
+
+
+def test_validate_lists_every_problem_once_with_line_numbers(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    done = run_cli("validate", path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert_clean_failure(done.stdout, done.stderr)
+    listed = [line.strip()[2:] for line in done.stderr.splitlines() if line.strip().startswith("- ")]
+    assert not [p for p, n in Counter(listed).items() if n > 1], "problems listed twice:\n" + done.stderr
+    for expected in BROKEN_PROBLEMS:
+        hits = [p for p in listed if p.startswith(expected)]
+        assert len(hits) == 1, f"expected one problem starting {expected!r} in:\n{done.stderr}"
+    assert len(listed) == len(BROKEN_PROBLEMS), done.stderr
+    assert f"{len(BROKEN_PROBLEMS)} problem(s)" in done.stderr
+
+
+def test_validate_a_missing_file_exits_2_without_traceback(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
+    captured = capsys.readouterr()
+    assert "no such recipe file" in captured.err
+    assert_clean_failure(captured.out, captured.err)
+
+
+def test_validate_invalid_yaml_exits_2_with_its_line(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nmodel: {d_model: 32\nstages: []\n")
+    assert main(["validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "not valid YAML at line" in captured.err
+    assert_clean_failure(captured.out, captured.err)
+
+
+def test_validate_a_file_that_is_not_utf8_exits_2(tmp_path, capsys):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    assert main(["validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "cannot read the recipe file" in captured.err
+    assert_clean_failure(captured.out, captured.err)
+
+
+def test_validate_the_tiny_recipe_exits_0_and_summarizes_its_stages(capsys):
+    assert main(["validate", str(TINY)]) == 0
+    out = capsys.readouterr().out
+    assert "ok" in out and "3 stage(s)" in out
+    assert "deep: 4 blocks" in out
+
+
+def test_validate_reports_a_bad_override(capsys):
+    assert main(["validate", str(TINY), "--set", "stages.7.steps=5"]) == 2
+    assert "stages has no item 7" in capsys.readouterr().err
+
+
+def test_print_config_fills_in_defaults_and_applies_overrides(capsys):
+    assert main(["print-config", str(TINY), "--set", "seed=7"]) == 0
+    out = capsys.readouterr().out
+    assert "beta2: 0.95" in out  # not written in tiny.yaml
+    assert "decay_fraction: 0.2" in out
+    assert "seed: 7" in out
+
+
+def test_print_config_of_a_broken_recipe_exits_2(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    assert main(["print-config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "did you mean 'stages'?" in captured.err
+    assert captured.out == ""
+
+
+def test_schema_mentions_every_section_and_growth_operator(capsys):
+    from growtrain.recipe import Recipe
+    from growtrain.stages import OPERATORS
+
+    assert main(["schema"]) == 0
+    out = capsys.readouterr().out
+    for name in Recipe.__dataclass_fields__:
+        assert f"`{name}`" in out
+    for section in ("model", "model.moe", "data", "optimizer", "train", "stages", "stages.schedule", "checkpoint", "invariance", "tracking"):
+        assert f"## {section}\n" in out
+    for op in OPERATORS:
+        assert f"### `{op}`" in out
+
+
+def test_recipe_reference_is_up_to_date(capsys):
+    assert main(["schema"]) == 0
+    current = capsys.readouterr().out
+    committed = REFERENCE.read_text() if REFERENCE.is_file() else ""
+    assert committed == current, (
+        "docs/recipe-reference.md is out of date with the recipe fields; regenerate it with "
+        "`growtrain schema > docs/recipe-reference.md`"
+    )
+
+
+def test_a_reader_that_closes_the_pipe_early_causes_no_traceback():
+    # `growtrain print-config r.yaml | head -1`: the read end is gone before growtrain writes.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "growtrain", "print-config", str(TINY)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect / generate / run on bad input
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "{missing}"],
+        ["inspect", "{missing}", "--json"],
+        ["generate", "{missing}", "--prompt", "The "],
+    ],
+    ids=["inspect", "inspect-json", "generate"],
+)
+def test_commands_on_a_path_that_does_not_exist_exit_2_with_a_message(argv, tmp_path, capsys):
+    missing = tmp_path / "no-such-run"
+    assert main([a.format(missing=missing) for a in argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and str(missing) in captured.err
+    assert_clean_failure(captured.out, captured.err)
+
+
+def test_run_with_a_broken_recipe_exits_2_without_traceback(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    done = run_cli("run", path, "--out", tmp_path / "run")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert_clean_failure(done.stdout, done.stderr)
+    assert "did you mean 'batch_size'?" in done.stderr
+    assert not (tmp_path / "run").exists()
