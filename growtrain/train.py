@@ -12,6 +12,7 @@ run's losses and weights bit for bit.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import platform
 import resource
@@ -30,7 +31,7 @@ from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.optim import AdamW, clip_grad_norm
 from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain
-from growtrain.stages import apply_growth, plan_stage_models
+from growtrain.stages import GrowthCheckFailed, apply_growth, plan_stage_models
 from growtrain.tracking import Console, MetricsFile, Tracker, format_duration
 
 
@@ -224,6 +225,7 @@ class Run:
             self.optimizer = AdamW(dict(self.model.named_parameters()), recipe.optimizer)
             self.metrics.truncate_after(-1)
         (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
+        self.log(f"resolved recipe: {self.run_dir / 'recipe.yaml'}")
 
         self.wandb_id = self.tracker.start(self.plain, self.wandb_id, {"environment": self.env})
         if loaded is not None and self.tracker.mode == "offline":
@@ -255,17 +257,24 @@ class Run:
     def _grow(self, pos: Position, stage: StageConfig, planned: ModelConfig, probe) -> None:
         if not stage.grow:
             return
-        outcome = apply_growth(
-            self.model,
-            self.optimizer.state,
-            stage.grow,
-            seed=self.recipe.seed,
-            stage_index=pos.stage,
-            stage_name=stage.name,
-            planned=planned,
-            probe=probe,
-            invariance_cfg=self.recipe.invariance,
-        )
+        try:
+            outcome = apply_growth(
+                self.model,
+                self.optimizer.state,
+                stage.grow,
+                seed=self.recipe.seed,
+                stage_index=pos.stage,
+                stage_name=stage.name,
+                planned=planned,
+                probe=probe,
+                invariance_cfg=self.recipe.invariance,
+            )
+        except GrowthCheckFailed as exc:
+            # Nothing of the failed growth is checkpointed; its report is kept for the post-mortem.
+            report = self.run_dir / "growth-failure.json"
+            report.write_text(json.dumps(exc.record, indent=2, default=str) + "\n")
+            self.console.write(f"growth check failed; full report in {report}")
+            raise
         self.model = outcome.model
         self.optimizer.rebind(dict(self.model.named_parameters()), outcome.optimizer_state)
         self.history.extend(outcome.records)

@@ -104,3 +104,16 @@ def test_offline_wandb_writes_a_run_and_reuses_its_id_after_resume(micro_recipe,
     # The resumed local run holds all 20 steps (the killed one may have lost its unflushed tail):
     # W&B stores each history record's keys as plain strings.
     assert log.read_bytes().count(b"grad_norm") >= 20
+
+
+def test_a_failed_growth_check_stops_the_run_before_the_new_stage_trains(micro_recipe, tmp_path):
+    # A bar no fp32 upcycling can meet (its logits move by ~1e-8 relative): the check must fire.
+    recipe = micro_recipe({"invariance": {"exact_rel_tol": 1e-30}})
+    out = tmp_path / "run"
+    done = run_cli("run", recipe, "--out", out)
+    assert done.returncode == 3, done.stderr
+    assert "upcycle_moe" in done.stderr and "relative L2" in done.stderr and "Traceback" not in done.stderr
+    assert [r[0] for r in losses(out)] == list(range(1, 9)), "no step of the MoE stage may run"
+    report = json.loads((out / "growth-failure.json").read_text())
+    assert report["operator"] == "upcycle_moe" and report["passed"] is False
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*"))[-1] == "step-00000008"
