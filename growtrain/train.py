@@ -12,6 +12,7 @@ run's losses and weights bit for bit.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import platform
@@ -85,6 +86,13 @@ def seed_model_config(recipe: Recipe, corpus: Corpus) -> ModelConfig:
     return recipe.model.with_changes(vocab_size=recipe.model.vocab_size or vocab)
 
 
+def data_fingerprint(corpus: Corpus) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(corpus.train_tokens.numpy().tobytes())
+    digest.update(corpus.eval_tokens.numpy().tobytes())
+    return digest.hexdigest()
+
+
 def environment() -> dict:
     """What ran: code version, package versions, device (STYLE.md item 12)."""
     try:
@@ -146,6 +154,13 @@ class Run:
                 diff[:10] + ["resume with the recipe the run was started with, or start a new run (--out elsewhere or --resume never)"],
                 f"{loaded.path} was written by a different recipe",
             )
+        if meta.get("data_fingerprint") not in (None, self.data_fingerprint):
+            # Same recipe, other text (a changed local folder, another Python's stdlib): the run
+            # continues, but it cannot repeat the losses it would have had.
+            self.log(
+                f"warning: the training data differs from the data this run started with "
+                f"(fingerprint {self.data_fingerprint}, checkpoint has {meta['data_fingerprint']})"
+            )
         pos = Position(meta["stage"], meta["stage_step"], meta["step"], meta["tokens"], loaded.trainer_state["bad_steps"], True)
         self.model = GrowLM(shapes[pos.stage])
         self.model.load_state_dict(loaded.model_state, strict=True)
@@ -177,6 +192,7 @@ class Run:
             "loss": self.last_loss,
             "eval_loss": self.last_eval,
             "wandb_id": self.wandb_id,
+            "data_fingerprint": self.data_fingerprint,
             "growth_history": self.history,
             "recipe": self.plain,
             "environment": self.env,
@@ -209,9 +225,11 @@ class Run:
         self.log(f"growtrain {recipe.name}: {self.env['code']}, torch {self.env['torch']}, {self.env['device']}")
 
         corpus = load_corpus(recipe.data, recipe.seed)
-        self.log(f"data: {corpus.description}")
+        self.data_fingerprint = data_fingerprint(corpus)
+        self.log(f"data: {corpus.description} (fingerprint {self.data_fingerprint})")
         self.stream = TokenStream(corpus.train_tokens)
-        shapes = plan_stage_models(seed_model_config(recipe, corpus), [s.grow for s in recipe.stages])
+        seed_shape = seed_model_config(recipe, corpus)
+        shapes = plan_stage_models(seed_shape, [s.grow for s in recipe.stages])
         probe = eval_batches(corpus.eval_tokens, recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len, 1)[0]
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -221,7 +239,7 @@ class Run:
             pos = self._restore(loaded, shapes)
         else:
             pos = Position()
-            self.model = GrowLM(seed_model_config(recipe, corpus))
+            self.model = GrowLM(seed_shape)
             self.optimizer = AdamW(dict(self.model.named_parameters()), recipe.optimizer)
             self.metrics.truncate_after(-1)
         (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))

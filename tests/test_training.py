@@ -117,3 +117,18 @@ def test_a_failed_growth_check_stops_the_run_before_the_new_stage_trains(micro_r
     report = json.loads((out / "growth-failure.json").read_text())
     assert report["operator"] == "upcycle_moe" and report["passed"] is False
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*"))[-1] == "step-00000008"
+
+
+def test_resuming_on_changed_training_text_warns_that_losses_will_not_repeat(micro_recipe, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
+    recipe = load_recipe(micro_recipe({"data": {"source": str(corpus), "max_bytes": 0, "eval_fraction": 0.25},
+                                       "stages": [{"name": "only", "steps": 2, "seq_len": 16, "batch_size": 2}]}))
+    lines: list[str] = []
+    run(recipe, tmp_path / "run", log=lines.append)
+    assert not [x for x in lines if "differs" in x]
+    (corpus / "doc0.txt").write_text("an edited document " * 50)
+    run(recipe, tmp_path / "run", log=lines.append)
+    assert [x for x in lines if "training data differs" in x]
