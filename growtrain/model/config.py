@@ -56,6 +56,14 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = field(
         default=(), metadata={"doc": "Indices of the blocks whose FFN is an MoE layer (requires `moe`)."}
     )
+    reversible: bool = field(
+        default=True,
+        metadata={
+            "doc": "Reversible backward: keep only the final streams (and MoE routing) and rebuild each block's "
+            "inputs from its outputs during backward, so activation memory stays flat in depth for ~1.3x compute; "
+            "false: plain autograd."
+        },
+    )
 
     @property
     def kv_heads(self) -> int:

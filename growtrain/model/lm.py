@@ -1,5 +1,7 @@
 """The growtrain language model (DESIGN.md §4): embeddings, a stack of RevNet-style additive
-coupling blocks over two fp32 residual streams, final norm, untied LM head.
+coupling blocks over two fp32 residual streams, final norm, untied LM head. With
+`config.reversible` (the default) a training forward keeps no per-block activations: the backward
+rebuilds them from the block outputs (growtrain/model/reversible.py).
 
 Legend: B batch, T sequence, D d_model, V vocabulary.
 """
@@ -14,6 +16,7 @@ from torch import nn
 from growtrain.model.config import ModelConfig
 from growtrain.model.layers import AttentionBranch, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
 from growtrain.model.moe import MoE, MoEStats, update_balance_bias
+from growtrain.model.reversible import plain_blocks, reversible_blocks
 
 
 @dataclass
@@ -100,18 +103,25 @@ class GrowLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens_BT: torch.Tensor) -> ModelOutput:
+        x1, x2 = self.embed_streams(tokens_BT)
+        if self.config.reversible and torch.is_grad_enabled():
+            x1, x2, stats = reversible_blocks(self.blocks, x1, x2)
+        else:
+            x1, x2, stats = plain_blocks(self.blocks, x1, x2)
+        return self.head(x1, x2, stats)
+
+    def embed_streams(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two input streams (both the embedding)."""
         # Streams in fp32 (bf16 streams drift ~1e-3 per block); an fp64 model keeps fp64 for exact tests.
         x_BTD = self.embed(tokens_BT)
         x_BTD = x_BTD.to(compute_dtype(x_BTD.dtype))
-        x1, x2 = x_BTD, x_BTD
-        stats: list[MoEStats] = []
-        for block in self.blocks:
-            x1, x2, s = block(x1, x2)
-            if s is not None:
-                stats.append(s)
-        h_BTD = self.final_norm((x1 + x2) / 2)
+        return x_BTD, x_BTD
+
+    def head(self, x1_BTD: torch.Tensor, x2_BTD: torch.Tensor, stats: list[MoEStats]) -> ModelOutput:
+        """Logits from the final streams; the aux loss summed over the MoE blocks' stats."""
+        h_BTD = self.final_norm((x1_BTD + x2_BTD) / 2)
         logits_BTV = self.lm_head(h_BTD)
-        aux = torch.zeros((), device=x_BTD.device, dtype=torch.float32)
+        aux = torch.zeros((), device=x1_BTD.device, dtype=torch.float32)
         for s in stats:
             aux = aux + s.aux_loss.float()
         return ModelOutput(logits=logits_BTV, aux_loss=aux, moe_stats=stats)
