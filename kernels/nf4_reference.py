@@ -1,0 +1,220 @@
+"""Pure-PyTorch references for NF4 routed experts with per-expert LoRA: the NF4 weight format as
+plain data, dequantization (through bitsandbytes, and a bit-compatible pure-PyTorch version that a
+Triton kernel will be tested against), and the grouped SwiGLU over expert-sorted tokens whose base
+matrices are NF4 and frozen and whose LoRA pairs train. Autograd flows through ordinary ops; only
+the experts that received tokens are dequantized, one matrix at a time.
+
+Format (bitsandbytes NF4, blocksize 64, optional double quantization of the absmax with nested
+blocks of 256 around a per-matrix offset): every expert's matrix is quantized on its own, so
+selecting experts never crosses a quantization block and is bit-exact. All three matrices are
+stored with the expert hidden width F leading, [F, D] (the down-projection transposed), so that
+neuron slices are row slices for every matrix.
+
+Legend: N rows (token-slots, sorted by expert), D d_model, E experts, F expert hidden width,
+E1 = E + 1 offsets, R LoRA rank, I/O a matrix's input/output width, P = rows*cols/2 packed bytes,
+A absmax blocks (rows*cols/64), M nested absmax blocks (A/256, rounded up).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+NF4_BLOCKSIZE = 64
+NESTED_BLOCKSIZE = 256  # what bitsandbytes' quantize_4bit(compress_statistics=True) uses
+
+
+@dataclass(frozen=True)
+class NF4Stack:
+    """E matrices of shape [rows, cols], each NF4-quantized on its own (bitsandbytes layout)."""
+
+    codes_EP: torch.Tensor  # uint8, two 4-bit codes per byte, first element in the high nibble
+    absmax_EA: torch.Tensor  # uint8 with double quantization, else float32
+    quant_map: torch.Tensor  # [16] float32: the NF4 code book
+    rows: int
+    cols: int
+    nested_absmax_EM: torch.Tensor | None = None  # float32, double quantization only
+    offset_E: torch.Tensor | None = None  # float32, double quantization only (mean absmax)
+    nested_quant_map: torch.Tensor | None = None  # [256] float32 dynamic map, double quantization only
+    blocksize: int = NF4_BLOCKSIZE
+    nested_blocksize: int = NESTED_BLOCKSIZE
+
+    @property
+    def num_experts(self) -> int:
+        return self.codes_EP.shape[0]
+
+    @property
+    def double_quant(self) -> bool:
+        return self.nested_absmax_EM is not None
+
+
+@dataclass(frozen=True)
+class LoRAStack:
+    """One LoRA pair per expert: delta W[e] = scale * B[e] @ A[e], W[e] of shape [O, I]."""
+
+    A_ERI: torch.Tensor
+    B_EOR: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True)
+class NF4LoRAExperts:
+    """What an NF4 expert backend receives: the frozen bases and the trainable adapters. `down` is
+    stored transposed ([F, D]); its LoRA pair is in the math orientation (A [E, R, F], B [E, D, R])."""
+
+    gate: NF4Stack
+    up: NF4Stack
+    down: NF4Stack
+    gate_lora: LoRAStack
+    up_lora: LoRAStack
+    down_lora: LoRAStack
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.num_experts
+
+
+Dequantize = Callable[[NF4Stack, int], torch.Tensor]
+
+
+def _silence_bitsandbytes_start_up() -> None:
+    # On CPUs with AVX512-bf16, bitsandbytes logs a warning at import when the optional
+    # `kernels` package (a faster CPU 4-bit GEMV) is absent; the dequantize path does not use it.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def bitsandbytes_functional():
+    """bitsandbytes.functional, imported on first use (the import takes seconds)."""
+    _silence_bitsandbytes_start_up()
+    import bitsandbytes.functional as bnbf
+
+    return bnbf
+
+
+def quant_state(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32):
+    """bitsandbytes' QuantState of expert e's matrix, rebuilt from the stored tensors (lossless).
+    Its shape is the flat [rows * cols]: blocks run over the flat element index, and bitsandbytes'
+    CPU dequantizer (0.50.2), given a 2-D shape whose rows are not a multiple of 64, restarts the
+    blocks at every row, which disagrees with its own quantizer."""
+    bnbf = bitsandbytes_functional()
+    state2 = offset = None
+    if stack.double_quant:
+        state2 = bnbf.QuantState(
+            absmax=stack.nested_absmax_EM[e].float(),
+            code=stack.nested_quant_map.float(),
+            blocksize=stack.nested_blocksize,
+            dtype=torch.float32,
+        )
+        offset = stack.offset_E[e].float()
+    return bnbf.QuantState(
+        absmax=stack.absmax_EA[e] if stack.double_quant else stack.absmax_EA[e].float(),
+        shape=torch.Size([stack.rows * stack.cols]),
+        code=stack.quant_map.float(),
+        blocksize=stack.blocksize,
+        quant_type="nf4",
+        dtype=dtype,
+        offset=offset,
+        state2=state2,
+    )
+
+
+def dequantize_nf4_bitsandbytes(stack: NF4Stack, e: int) -> torch.Tensor:
+    """Expert e's [rows, cols] matrix in float32, dequantized by bitsandbytes."""
+    bnbf = bitsandbytes_functional()
+    return bnbf.dequantize_4bit(stack.codes_EP[e].reshape(-1, 1), quant_state(stack, e)).view(stack.rows, stack.cols)
+
+
+def _blockwise_scale(values_N: torch.Tensor, scales_B: torch.Tensor, blocksize: int) -> torch.Tensor:
+    n = values_N.numel()
+    pad = (-n) % blocksize
+    padded = F.pad(values_N, (0, pad)).view(-1, blocksize)
+    return (padded * scales_B.view(-1, 1)).reshape(-1)[:n]
+
+
+def dequantize_nf4_torch(stack: NF4Stack, e: int) -> torch.Tensor:
+    """The same as `dequantize_nf4_bitsandbytes`, bit for bit, in plain PyTorch ops (the ground
+    truth of a fused dequantizing kernel): absmax = dynamic_map[q] * nested_absmax + offset, then
+    weight = nf4_map[code] * absmax, each one fp32 multiply as in bitsandbytes."""
+    if stack.double_quant:
+        absmax_A = _blockwise_scale(
+            stack.nested_quant_map.float()[stack.absmax_EA[e].long()], stack.nested_absmax_EM[e].float(), stack.nested_blocksize
+        )
+        absmax_A = absmax_A + stack.offset_E[e].float()
+    else:
+        absmax_A = stack.absmax_EA[e].float()
+    packed_P = stack.codes_EP[e]
+    codes = torch.stack(((packed_P >> 4).long(), (packed_P & 0xF).long()), dim=-1).reshape(-1)
+    n = stack.rows * stack.cols
+    values = stack.quant_map.float()[codes[:n]]
+    return _blockwise_scale(values, absmax_A, stack.blocksize).view(stack.rows, stack.cols)
+
+
+def _lora(x_nI: torch.Tensor, lora: LoRAStack, e: int) -> torch.Tensor:
+    return lora.scale * ((x_nI @ lora.A_ERI[e].T) @ lora.B_EOR[e].T)
+
+
+def grouped_swiglu_nf4_lora_reference(
+    x_sorted_ND: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    experts: NF4LoRAExperts,
+    dequantize: Dequantize | None = None,
+) -> torch.Tensor:
+    """Rows offsets[e]:offsets[e+1] of x go through expert e, whose matrices are the frozen NF4
+    bases plus LoRA: g = x Wg^T + s (x Ag^T) Bg^T, u likewise, h = silu(g) * u,
+    y = h Wd^T + s (h Ad^T) Bd^T. Only experts with rows are dequantized; the dequantized bases
+    are constants of the graph (no gradient), so backward reaches x and the LoRA pairs only.
+    `dequantize` defaults to bitsandbytes'. Returns y_sorted_ND."""
+    dequantize = dequantize or dequantize_nf4_bitsandbytes
+    E = experts.num_experts
+    if offsets_E1.numel() != E + 1:
+        raise ValueError(f"offsets must have E + 1 = {E + 1} entries, got {offsets_E1.numel()}")
+    bounds = offsets_E1.tolist()  # one host sync per call, as in the full-precision reference
+    if bounds[0] != 0 or bounds[-1] != x_sorted_ND.shape[0]:
+        raise ValueError(f"offsets must run from 0 to N = {x_sorted_ND.shape[0]}, got {bounds[0]}..{bounds[-1]}")
+    # fp64 inputs (exact tests) get fp64 bases; otherwise fp32, and autocast picks the matmul dtype.
+    base_dtype = torch.promote_types(x_sorted_ND.dtype, torch.float32)
+    chunks = []
+    for e in range(E):
+        start, end = bounds[e], bounds[e + 1]
+        if end < start:
+            raise ValueError(f"offsets must be non-decreasing, got {start} > {end} at expert {e}")
+        if end == start:
+            continue
+        x_nD = x_sorted_ND[start:end]
+        w_gate_FD = dequantize(experts.gate, e).to(base_dtype)
+        w_up_FD = dequantize(experts.up, e).to(base_dtype)
+        w_down_t_FD = dequantize(experts.down, e).to(base_dtype)
+        g_nF = x_nD @ w_gate_FD.T + _lora(x_nD, experts.gate_lora, e)
+        u_nF = x_nD @ w_up_FD.T + _lora(x_nD, experts.up_lora, e)
+        h_nF = F.silu(g_nF) * u_nF
+        chunks.append(h_nF @ w_down_t_FD + _lora(h_nF, experts.down_lora, e))
+    if not chunks:
+        zero = x_sorted_ND.sum() + sum(p.sum() for l in (experts.gate_lora, experts.up_lora, experts.down_lora) for p in (l.A_ERI, l.B_EOR))
+        return x_sorted_ND.new_zeros((0, experts.down.cols)) + 0 * zero
+    return torch.cat(chunks, dim=0)
+
+
+def nf4_bytes_per_weight(double_quant: bool, blocksize: int = NF4_BLOCKSIZE, nested_blocksize: int = NESTED_BLOCKSIZE) -> float:
+    """Storage per quantized weight, ignoring the per-matrix offset and the code books: half a byte
+    of code plus the absmax (fp32 per block, or one byte per block plus fp32 per nested block)."""
+    if double_quant:
+        return 0.5 + 1 / blocksize + 4 / (blocksize * nested_blocksize)
+    return 0.5 + 4 / blocksize
+
+
+def nf4_buffer_shapes(rows: int, cols: int, double_quant: bool) -> dict[str, tuple[int, ...]]:
+    """Per-expert shapes of one NF4 matrix's tensors (without the leading E)."""
+    n = rows * cols
+    if n % 2:
+        raise ValueError(f"an NF4 matrix needs an even number of elements, got {rows} x {cols}")
+    blocks = math.ceil(n / NF4_BLOCKSIZE)
+    shapes = {"codes": (n // 2,), "absmax": (blocks,)}
+    if double_quant:
+        shapes["nested_absmax"] = (math.ceil(blocks / NESTED_BLOCKSIZE),)
+        shapes["offset"] = ()
+    return shapes

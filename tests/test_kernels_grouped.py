@@ -1,0 +1,277 @@
+"""Grouped SwiGLU expert GEMM (kernels/grouped.py) against the pure-PyTorch references, forward and
+backward: dense trainable experts, NF4 bases with fused LoRA, odd sizes, empty experts, all rows on
+one expert, fewer rows than a block, top-1/2/8 routing. fp32 in the interpreter (its tl.dot is
+wrong on bf16); bf16 on a GPU behind the `gpu` marker."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kernel_testing import assert_close, assert_equal, needs_cuda, require_triton
+
+require_triton()
+
+from growtrain.kernels import backend
+from growtrain.kernels.grouped import MODE_PLAIN, grouped_swiglu, launch_grouped_mm, operand_args
+from growtrain.kernels.nf4 import dequantize_nf4_experts
+from growtrain.kernels.reference import grouped_swiglu_lora_reference, grouped_swiglu_reference
+from growtrain.kernels.weights import LoRA, NF4Weight
+
+# D and F are not multiples of the interpreter's 32-wide tiles; r is not a multiple of 16.
+D, F, R = 40, 24, 3
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+BF16 = {"atol": 1e-2, "rtol": 3e-2}
+
+
+def _counts_from_routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> list[int]:
+    idx_TK = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    return torch.bincount(idx_TK.reshape(-1), minlength=experts).tolist()
+
+
+def _routing_case(name: str) -> list[int]:
+    """Rows per expert for a named case."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    return {
+        "top1": lambda: _counts_from_routing(29, 4, 1, gen),
+        "top2": lambda: _counts_from_routing(19, 5, 2, gen),
+        "top8": lambda: _counts_from_routing(5, 8, 8, gen),
+        "empty_experts": lambda: [0, 19, 0, 0, 4, 0],
+        "all_on_one_expert": lambda: [0, 0, 37, 0],
+        "fewer_rows_than_a_block": lambda: [3, 0, 2],
+        "no_rows": lambda: [0, 0, 0],
+    }[name]()
+
+
+CASES = ["top1", "top2", "top8", "empty_experts", "all_on_one_expert", "fewer_rows_than_a_block", "no_rows"]
+
+
+def _offsets(counts: list[int], device="cpu") -> torch.Tensor:
+    off = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(torch.tensor(counts), 0)
+    return off.to(device)
+
+
+def _randn(*shape, gen, scale=0.3, device="cpu", dtype=torch.float32, grad=True):
+    t = (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+    return t.requires_grad_(grad)
+
+
+def _lora(E, d_out, d_in, gen, scale, device="cpu"):
+    # B non-zero (a trained adapter), so every LoRA gradient path carries signal.
+    return LoRA(_randn(E, R, d_in, gen=gen, device=device), _randn(E, d_out, R, gen=gen, device=device), scale)
+
+
+def _grads(y, dy, tensors):
+    for t in tensors:
+        t.grad = None
+    y.backward(dy)
+    return [t.grad for t in tensors]
+
+
+def _compare(got_y, want_y, got_grads, want_grads, names, tol):
+    assert_close("y", got_y.detach(), want_y.detach(), **tol)
+    for name, g, w in zip(names, got_grads, want_grads):
+        assert g is not None, f"{name}: no gradient"
+        assert_close(f"grad {name}", g, w, **tol)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dense_experts_forward_and_backward_match_the_reference(case):
+    counts = _routing_case(case)
+    E, N = len(counts), sum(counts)
+    gen = torch.Generator().manual_seed(1)
+    x = _randn(N, D, gen=gen, scale=1.0)
+    w = [_randn(E, F, D, gen=gen), _randn(E, F, D, gen=gen), _randn(E, D, F, gen=gen)]
+    off = _offsets(counts)
+    dy = torch.randn(N, D, generator=gen)
+    leaves = [x, *w]
+    y = grouped_swiglu(x, off, w)
+    got = _grads(y, dy, leaves)
+    y_ref = grouped_swiglu_reference(x, off, *w)
+    want = [g if g is not None else torch.zeros_like(t) for g, t in zip(_grads(y_ref, dy, leaves), leaves)]
+    _compare(y, y_ref, got, want, ["x", "w_gate", "w_up", "w_down"], FP32)
+
+
+def _nf4_experts(E, gen):
+    """Gate double-quantized, up plain, down stored transposed ([F, D]) and double-quantized."""
+    wg, wu, wd = (torch.randn(E, F, D, generator=gen), torch.randn(E, F, D, generator=gen), torch.randn(E, D, F, generator=gen))
+    return (
+        NF4Weight.quantize(wg * 0.3, compress_statistics=True),
+        NF4Weight.quantize(wu * 0.3),
+        NF4Weight.quantize((wd * 0.3).transpose(1, 2).contiguous(), compress_statistics=True, transposed=True),
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_nf4_experts_with_fused_lora_forward_and_backward_match_the_reference(case):
+    counts = _routing_case(case)
+    E, N = len(counts), sum(counts)
+    gen = torch.Generator().manual_seed(2)
+    weights = _nf4_experts(E, gen)
+    lora = (_lora(E, F, D, gen, 0.5), _lora(E, F, D, gen, 2.0), _lora(E, D, F, gen, 0.25))
+    x = _randn(N, D, gen=gen, scale=1.0)
+    off = _offsets(counts)
+    dy = torch.randn(N, D, generator=gen)
+    leaves = [x] + [t for lo in lora for t in (lo.A_ERI, lo.B_EOR)]
+    y = grouped_swiglu(x, off, weights, lora)
+    got = _grads(y, dy, leaves)
+    y_ref = grouped_swiglu_lora_reference(x, off, weights, lora)
+    want = [g if g is not None else torch.zeros_like(t) for g, t in zip(_grads(y_ref, dy, leaves), leaves)]
+    names = ["x"] + [f"{m}_{ab}" for m in ("gate", "up", "down") for ab in ("A", "B")]
+    _compare(y, y_ref, got, want, names, FP32)
+
+
+def test_lora_gradients_without_an_input_gradient_and_on_some_matrices_only():
+    counts = _routing_case("top2")
+    E, N = len(counts), sum(counts)
+    gen = torch.Generator().manual_seed(3)
+    w = [_randn(E, F, D, gen=gen, grad=False), _randn(E, F, D, gen=gen, grad=False), _randn(E, D, F, gen=gen, grad=False)]
+    lora = (None, _lora(E, F, D, gen, 1.5), _lora(E, D, F, gen, 0.5))
+    x = _randn(N, D, gen=gen, scale=1.0, grad=False)
+    off = _offsets(counts)
+    dy = torch.randn(N, D, generator=gen)
+    leaves = [t for lo in lora if lo is not None for t in (lo.A_ERI, lo.B_EOR)]
+    y = grouped_swiglu(x, off, w, lora)
+    got = _grads(y, dy, leaves)
+    y_ref = grouped_swiglu_lora_reference(x, off, w, lora)
+    _compare(y, y_ref, got, _grads(y_ref, dy, leaves), ["up_A", "up_B", "down_A", "down_B"], FP32)
+
+
+def test_nf4_fused_projection_equals_dense_kernel_on_dequantized_weights_bit_for_bit():
+    counts = _routing_case("top2")
+    E, N = len(counts), sum(counts)
+    gen = torch.Generator().manual_seed(4)
+    w_nf4 = NF4Weight.quantize(torch.randn(E, F, D, generator=gen), compress_statistics=True)
+    x = torch.randn(N, D, generator=gen)
+    off = _offsets(counts)
+    fused, dense = torch.empty(N, F), torch.empty(N, F)
+    launch_grouped_mm(MODE_PLAIN, off, fused, operand_args(x, w_nf4, True, None, None))
+    launch_grouped_mm(MODE_PLAIN, off, dense, operand_args(x, dequantize_nf4_experts(w_nf4), True, None, None))
+    assert_equal("NF4-fused vs dequantize-then-matmul", fused, dense)
+
+
+def test_shape_errors_name_every_problem():
+    gen = torch.Generator().manual_seed(5)
+    w = [torch.randn(3, F, D, generator=gen), torch.randn(3, F, D + 1, generator=gen), torch.randn(3, D, F, generator=gen)]
+    with pytest.raises(ValueError) as err:
+        grouped_swiglu(torch.randn(4, D), torch.tensor([0, 4, 4]), w)
+    assert "up weight" in str(err.value) and "offsets must have E + 1 = 4" in str(err.value)
+
+
+def test_triton_backend_runs_the_kernel_when_triton_can_run():
+    counts = _routing_case("top1")
+    gen = torch.Generator().manual_seed(6)
+    E, N = len(counts), sum(counts)
+    w = [torch.randn(E, F, D, generator=gen), torch.randn(E, F, D, generator=gen), torch.randn(E, D, F, generator=gen)]
+    x, off = torch.randn(N, D, generator=gen), _offsets(counts)
+    assert backend.triton_unavailable_reason(x.device) is None
+    assert_close("backend", backend.triton_expert_backend(x, off, *w), grouped_swiglu_reference(x, off, *w), **FP32)
+
+
+def test_triton_backend_logs_and_runs_the_reference_where_triton_cannot_run(monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(backend, "_reported", set())
+    counts = _routing_case("top1")
+    gen = torch.Generator().manual_seed(7)
+    E, N = len(counts), sum(counts)
+    w = [torch.randn(E, F, D, generator=gen), torch.randn(E, F, D, generator=gen), torch.randn(E, D, F, generator=gen)]
+    x, off = torch.randn(N, D, generator=gen), _offsets(counts)
+    with caplog.at_level(logging.WARNING, logger="growtrain.kernels"):
+        y = backend.triton_expert_backend(x, off, *w)
+        backend.triton_expert_backend(x, off, *w)
+    messages = [r.getMessage() for r in caplog.records if r.name == "growtrain.kernels"]
+    assert len(messages) == 1 and "TRITON_INTERPRET" in messages[0] and "reference" in messages[0], messages
+    assert_equal("fallback", y, grouped_swiglu_reference(x, off, *w))
+
+
+def test_nf4_backend_takes_growtrain_nf4_lora_experts():
+    counts = _routing_case("empty_experts")
+    E, N = len(counts), sum(counts)
+    gen = torch.Generator().manual_seed(8)
+    weights = _nf4_experts(E, gen)
+    lora = (_lora(E, F, D, gen, 0.5), _lora(E, F, D, gen, 0.5), _lora(E, D, F, gen, 0.5))
+
+    def stack(w):
+        return SimpleNamespace(
+            codes_EP=w.codes_EB, absmax_EA=w.absmax_EK, quant_map=w.code_16, rows=w.shape[0], cols=w.shape[1],
+            nested_absmax_EM=w.nested_absmax_EJ, offset_E=w.offset_E, nested_quant_map=w.nested_code_256,
+            blocksize=w.blocksize, nested_blocksize=w.nested_blocksize,
+        )
+
+    experts = SimpleNamespace(
+        gate=stack(weights[0]), up=stack(weights[1]), down=stack(weights[2]),
+        gate_lora=lora[0], up_lora=lora[1], down_lora=lora[2],
+    )
+    x, off = torch.randn(N, D, generator=gen), _offsets(counts)
+    y = backend.triton_nf4_expert_backend(x, off, experts)
+    assert_close("nf4 backend", y, grouped_swiglu_lora_reference(x, off, weights, lora), **FP32)
+
+
+@pytest.mark.slow
+def test_larger_top2_nf4_lora_case_matches_the_reference():
+    gen = torch.Generator().manual_seed(9)
+    counts = _counts_from_routing(48, 8, 2, gen)
+    E, N = len(counts), sum(counts)
+    weights = _nf4_experts(E, gen)
+    lora = (_lora(E, F, D, gen, 0.5), _lora(E, F, D, gen, 0.5), _lora(E, D, F, gen, 0.5))
+    x = _randn(N, D, gen=gen, scale=1.0)
+    off = _offsets(counts)
+    dy = torch.randn(N, D, generator=gen)
+    leaves = [x] + [t for lo in lora for t in (lo.A_ERI, lo.B_EOR)]
+    y = grouped_swiglu(x, off, weights, lora)
+    got = _grads(y, dy, leaves)
+    y_ref = grouped_swiglu_lora_reference(x, off, weights, lora)
+    want = _grads(y_ref, dy, leaves)
+    _compare(y, y_ref, got, want, ["x"] + [f"lora{i}" for i in range(6)], FP32)
+
+
+# --- GPU: bf16 against an fp32 reference ------------------------------------------------------
+
+GPU_SHAPES = [(8, [300, 0, 1, 517, 64, 0, 129, 33], 256, 384), (4, [0, 1000, 0, 0], 512, 256)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("E,counts,d,f", GPU_SHAPES, ids=["mixed", "one_expert"])
+@pytest.mark.parametrize("fmt", ["dense", "nf4_lora"])
+def test_bf16_forward_and_backward_match_the_fp32_reference_on_gpu(E, counts, d, f, fmt):
+    gen = torch.Generator().manual_seed(10)
+    dev = "cuda"
+    N = sum(counts)
+    off = _offsets(counts, dev)
+    x32 = torch.randn(N, d, generator=gen).to(dev)
+    dy32 = torch.randn(N, d, generator=gen).to(dev)
+    if fmt == "dense":
+        w32 = [torch.randn(E, f, d, generator=gen) * 0.05, torch.randn(E, f, d, generator=gen) * 0.05, torch.randn(E, d, f, generator=gen) * 0.05]
+        w32 = [t.to(dev).requires_grad_(True) for t in w32]
+        w16 = [t.detach().bfloat16().requires_grad_(True) for t in w32]
+        lora32 = lora16 = None
+    else:
+        pytest.importorskip("bitsandbytes", reason="NF4 weights are quantized by bitsandbytes")
+        w32 = w16 = [
+            NF4Weight.quantize(torch.randn(E, f, d, generator=gen).to(dev) * 0.05, True),
+            NF4Weight.quantize(torch.randn(E, f, d, generator=gen).to(dev) * 0.05),
+            NF4Weight.quantize(torch.randn(E, f, d, generator=gen).to(dev) * 0.05, True, transposed=True),
+        ]
+        lora32 = [LoRA((torch.randn(E, 16, i, generator=gen) * 0.05).to(dev).requires_grad_(True), (torch.randn(E, o, 16, generator=gen) * 0.05).to(dev).requires_grad_(True), 2.0) for o, i in ((f, d), (f, d), (d, f))]
+        lora16 = lora32
+    x16 = x32.bfloat16().requires_grad_(True)
+    x32.requires_grad_(True)
+    y16 = grouped_swiglu(x16, off, w16, lora16)
+    y16.backward(dy32.bfloat16())
+    y32 = grouped_swiglu_lora_reference(x32, off, w32, lora32)
+    assert_close("y bf16", y16.float(), y32.detach(), **BF16)
+    grads16 = [x16.grad.float()]
+    leaves32 = [x32]
+    if fmt == "dense":
+        grads16 += [t.grad.float() for t in w16]
+        leaves32 += w32
+    else:
+        grads16 += [t.grad.clone() for lo in lora16 for t in (lo.A_ERI, lo.B_EOR)]
+        leaves32 += [t for lo in lora32 for t in (lo.A_ERI, lo.B_EOR)]
+    want = _grads(y32, dy32, leaves32)
+    for i, (g, w) in enumerate(zip(grads16, want)):
+        assert_close(f"grad {i} bf16", g, w, **BF16)
