@@ -1,0 +1,261 @@
+"""`growtrain plan`: parameter counts against real CPU models, the activation model against the
+saved-tensor meter, the 120B recipe against an 8 x 80 GB node, the JSON shape, the AF search, and
+the command line's presets and errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from growtrain.cli import main
+from growtrain.memory import SavedTensorMeter
+from growtrain.model import GrowLM, ModelConfig, MoEConfig
+from growtrain.model.config import ExpertLoRAConfig
+from growtrain.optim import AdamW
+from growtrain.plan import (
+    PRESETS,
+    ROLES,
+    activation_bytes,
+    count_model,
+    get_hardware,
+    plan_recipe,
+)
+from growtrain.recipe import OptimizerConfig, load_recipe
+from growtrain.stages import plan_stage_models
+from growtrain.train import forward_loss
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny.yaml"
+BIG = REPO / "recipes" / "120b.yaml"
+
+DENSE = ModelConfig(vocab_size=300, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+MOE = DENSE.with_changes(
+    moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=64, shared_expert_hidden=32), moe_layers=(1, 2)
+)
+NF4 = DENSE.with_changes(
+    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64, expert_format="nf4", lora=ExpertLoRAConfig(r=4)), moe_layers=(0, 2)
+)
+
+
+def real_model(cfg: ModelConfig) -> GrowLM:
+    torch.manual_seed(0)
+    return GrowLM(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter counts
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_parameter_counts_equal_the_real_models_parameter_sum(cfg):
+    count = count_model(cfg)
+    model = real_model(cfg)
+    assert count.params_total == sum(p.numel() for p in model.parameters())
+    assert sum(count.params_by_role.values()) == count.params_total
+    assert set(count.params_by_role) == set(ROLES), "every tensor has a known role"
+    assert count.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_nf4_counts_each_base_weight_once_and_the_adapters_as_parameters():
+    count = count_model(NF4)
+    model = real_model(NF4)
+    params = sum(p.numel() for p in model.parameters())
+    codes = sum(b.numel() for n, b in model.named_buffers() if n.endswith("_codes"))
+    assert count.params_total == params + 2 * codes
+    full = NF4.with_changes(moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64))
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "_lora_" in n)
+    assert count.params_total == real_model(full).num_parameters() + adapters
+    assert count.params_by_role["adapters"] == adapters
+    assert count.trainable_params == params  # the NF4 bases are frozen buffers
+    real_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert sum(t.bytes for t in count.tensors) == real_bytes
+
+
+def test_active_parameters_count_top_k_of_the_routed_experts():
+    count = count_model(MOE)
+    routed = count.params_by_role["routed_experts"]
+    assert routed == 2 * 8 * 3 * 64 * 64
+    assert count.params_active == count.params_total - routed + routed * 2 // 8
+    assert count_model(DENSE).params_active == count_model(DENSE).params_total
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_optimizer_bytes_are_the_real_optimizers_state(bits):
+    cfg = OptimizerConfig(dense_state_bits=bits)
+    count = count_model(MOE.with_changes(d_model=128, ffn_hidden=256), cfg)
+    model = real_model(MOE.with_changes(d_model=128, ffn_hidden=256))
+    opt = AdamW(dict(model.named_parameters()), cfg)
+    real = sum(v.numel() * v.element_size() for e in opt.state_dict().values() for v in e.values() if isinstance(v, torch.Tensor))
+    assert sum(t.optimizer_bytes for t in count.tensors) == real
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations against the saved-tensor meter
+
+
+def measured_saved_peak(cfg: ModelConfig, batch: int, seq: int, precision: str) -> int:
+    """Peak bytes held for backward over one training micro-batch (the trainer's forward_loss)."""
+    model = real_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    meter = SavedTensorMeter(exclude=list(model.parameters()))
+    with meter:
+        ce, aux, _ = forward_loss(model, tokens[:, :-1], tokens[:, 1:], precision)
+        (ce + aux).backward()
+    return meter.peak
+
+
+# More than 256 experts (int16 routing ids) and fewer token-slots than experts (most get none).
+MANY_EXPERTS = DENSE.with_changes(moe=MoEConfig(num_experts=260, top_k=3, expert_hidden=8), moe_layers=(1,))
+SIGMOID = DENSE.with_changes(
+    d_model=96, n_heads=6, n_kv_heads=6, moe=MoEConfig(num_experts=4, top_k=1, expert_hidden=64, score_func="sigmoid", z_loss_coef=0.0), moe_layers=(1,)
+)
+
+
+@pytest.mark.parametrize("reversible", [False, True], ids=["plain", "reversible"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "cfg,batch,seq",
+    [(DENSE, 2, 32), (MOE, 2, 24), (NF4, 1, 40), (MANY_EXPERTS, 1, 16), (SIGMOID, 3, 16)],
+    ids=["dense", "moe-shared", "nf4-lora", "260-experts-few-tokens", "sigmoid-mha"],
+)
+def test_activation_bytes_are_within_15_percent_of_the_saved_tensor_meter(cfg, batch, seq, precision, reversible):
+    cfg = cfg.with_changes(reversible=reversible)
+    measured = measured_saved_peak(cfg, batch, seq, precision)
+    predicted = activation_bytes(cfg, batch, seq, precision).saved_peak
+    assert abs(predicted - measured) <= 0.15 * measured, f"predicted {predicted:,} vs measured {measured:,}"
+
+
+def test_reversible_activations_stay_flat_in_depth_while_plain_ones_grow():
+    shallow, deep = (MOE.with_changes(n_layers=n, moe_layers=tuple(range(1, n, 2))) for n in (4, 32))
+    rev = [activation_bytes(c, 2, 64, "bf16", reversible=True).saved_peak for c in (shallow, deep)]
+    plain = [activation_bytes(c, 2, 64, "bf16", reversible=False).saved_peak for c in (shallow, deep)]
+    assert rev[1] < 1.02 * rev[0]  # only the routing ids grow
+    assert plain[1] > 5 * plain[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The 120B recipe
+
+
+@pytest.fixture(scope="module")
+def big_plan():
+    return plan_recipe(load_recipe(BIG), get_hardware("h100-80gb"))
+
+
+def test_the_120b_recipe_validates(capsys):
+    assert main(["validate", str(BIG)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_every_120b_stage_fits_8_h100_80gb_with_10_percent_headroom(big_plan):
+    assert big_plan["hardware"]["gpus"] == 8
+    for stage in big_plan["stages"]:
+        assert stage["micro_batch"] >= 1
+        assert stage["per_gpu_bytes"] <= 0.9 * stage["capacity_bytes"], stage["name"]
+        assert stage["headroom"] >= 0.10 and stage["fits"]
+        assert stage["max_micro_batch"] >= stage["micro_batch"]
+
+
+def test_the_120b_recipe_has_the_issues_shape(big_plan):
+    recipe = load_recipe(BIG)
+    first, last = big_plan["stages"][0], big_plan["stages"][-1]
+    assert 1e9 <= first["params_total"] <= 2e9 and first["experts"] == 0
+    assert 115e9 <= last["params_total"] <= 125e9
+    assert 5e9 <= last["params_active"] <= 7e9
+    assert last["experts"] >= 200 and 8 <= last["top_k"] <= 16
+    assert last["expert_format"] == "nf4" and last["seq_len"] == 8192 and last["reversible"]
+    assert recipe.stages[-1].seq_len == 8192
+    quantize = [g for s in recipe.stages for g in s.grow if g.op == "quantize_experts"]
+    assert quantize and 8 <= quantize[0].args.r <= 32
+    tokens = [s["tokens"] for s in big_plan["stages"]]
+    assert all(t > 0 for t in tokens) and big_plan["stages"][-1]["tokens_cumulative"] == sum(tokens)
+
+
+def test_the_af_search_returns_a_best_split_no_worse_than_any_other(big_plan):
+    af = big_plan["af"]
+    assert af["applicable"] and af["stage"] == big_plan["stages"][-1]["name"]
+    splits = af["splits"]
+    assert [s["attention_gpus"] for s in splits] == list(range(1, 8))
+    assert all(s["attention_gpus"] + s["expert_gpus"] == 8 for s in splits)
+    candidates = [s for s in splits if s["fits"]]
+    assert af["best"] in candidates
+    assert all(af["best"]["step_time_s"] <= s["step_time_s"] for s in candidates)
+    for s in splits:
+        assert s["step_time_s"] == max(s["attention_s"], s["experts_s"], s["transfer_s"])
+    assert af["speedup_vs_colocated"] == pytest.approx(af["colocated_step_time_s"] / af["best"]["step_time_s"])
+
+
+def test_multi_node_presets_search_every_split_of_all_their_gpus():
+    plan = plan_recipe(load_recipe(TINY), get_hardware("h100-80gb", nodes=2))
+    assert plan["hardware"]["gpus"] == 16
+    assert len(plan["af"]["splits"]) == 15
+    best = plan["af"]["best"]["step_time_s"]
+    assert all(best <= s["step_time_s"] for s in plan["af"]["splits"] if s["fits"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+REQUIRED_STAGE_KEYS = {"name", "params_total", "params_active", "experts", "top_k", "per_gpu_bytes", "capacity_bytes", "step_time_s", "mfu"}
+
+
+def test_plan_json_prints_one_object_with_the_required_keys(capsys):
+    assert main(["plan", str(TINY), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"stages", "af"}
+    assert len(out["stages"]) == len(load_recipe(TINY).stages)
+    for stage in out["stages"]:
+        assert REQUIRED_STAGE_KEYS <= set(stage)
+        assert set(stage["params_by_role"]) == set(ROLES)
+        assert sum(stage["params_by_role"].values()) == stage["params_total"]
+    recipe = load_recipe(TINY)
+    last = plan_stage_models(recipe.model.with_changes(vocab_size=257), [s.grow for s in recipe.stages])[-1]
+    assert out["stages"][-1]["experts"] == last.moe.num_experts and out["stages"][-1]["top_k"] == last.moe.top_k
+    assert {"splits", "best", "colocated_step_time_s"} <= set(out["af"])
+
+
+def test_plan_prints_tables_for_every_stage(capsys):
+    assert main(["plan", str(TINY), "--hardware", "b200"]) == 0
+    out = capsys.readouterr().out
+    for name in [s.name for s in load_recipe(TINY).stages]:
+        assert name in out
+    assert "b200" in out and "best:" in out
+
+
+def test_every_issue_preset_is_present_with_its_datasheet_source():
+    assert {"h100-80gb", "h200-141gb", "a100-80gb", "b200"} <= set(PRESETS)
+    for hw in PRESETS.values():
+        assert hw.peak_tflops > 0 and hw.hbm_gbps > 0 and hw.nvlink_gbps > 0 and hw.nic_gbps > 0 and hw.capacity_gb > 0
+        assert "datasheet" in hw.source
+
+
+def test_flags_override_the_presets_figures(capsys):
+    assert main(["plan", str(TINY), "--json", "--capacity-gb", "40", "--peak-tflops", "500", "--gpus", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"]["capacity_gb"] == 40 and out["hardware"]["peak_tflops"] == 500 and out["hardware"]["gpus"] == 4
+    assert out["stages"][0]["capacity_bytes"] == 40 * 10**9
+
+
+def test_an_unknown_preset_exits_2_listing_the_valid_names(capsys):
+    assert main(["plan", str(TINY), "--hardware", "h900"]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    for name in PRESETS:
+        assert name in captured.err
+
+
+def test_plan_of_a_missing_recipe_or_a_bad_flag_exits_2(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "none.yaml")]) == 2
+    assert main(["plan", str(TINY), "--gpus", "0"]) == 2
+    assert main(["plan", str(TINY), "--hbm-gbps", "-1"]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_a_stage_over_capacity_exits_1_and_says_so(capsys):
+    assert main(["plan", str(BIG), "--capacity-gb", "20"]) == 1
+    assert "OVER" in capsys.readouterr().out
