@@ -15,8 +15,10 @@ examples:
   growtrain run recipes/tiny.yaml --set stages.0.steps=50 --out runs/try1
   growtrain validate recipes/tiny.yaml                 check a recipe; exit 2 lists every problem
   growtrain print-config recipes/tiny.yaml             the recipe with every default filled in
+  growtrain plan recipes/120b.yaml --hardware h100-80gb   per-stage parameters, memory per GPU, step time
   growtrain inspect runs/tiny --json                   stage, step, tokens, parameters, growth reports
   growtrain generate runs/tiny --prompt "The "         sample from the newest checkpoint
+  growtrain export-adapters runs/tiny out/adapters     NF4 experts' LoRA (and peft adapters) in peft's layout
 """
 
 
@@ -51,6 +53,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("schema", help="print the recipe reference (every field, type, default, meaning) as Markdown",
                    description="Print the recipe reference: every section and field with its type, default and meaning.")
 
+    p = sub.add_parser("plan", help="per stage and GPU: exact parameters, memory against capacity, roofline step time, AF split",
+                       description="Plan a recipe on a GPU node without training or allocating weights: every stage's model is "
+                       "built on the meta device (exact parameter counts by role, active parameters per token, bytes of weights "
+                       "by storage, gradients and optimizer state), activations and buffers are modelled, and a roofline gives "
+                       "step time, MFU and tokens/s. For the last stage, every split of the GPUs into attention and expert ranks "
+                       "(attention/expert disaggregation) is compared with the co-located expert-parallel layout. Exit 1 if a "
+                       "stage does not fit with 10% headroom.")
+    p.add_argument("recipe", type=Path, help="recipe YAML file")
+    p.add_argument("--hardware", default="h100-80gb", metavar="PRESET",
+                   help="a100-80gb, h100-80gb (default), h200-141gb or b200 (vendor datasheet figures)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes (default 1); experts shard over all GPUs")
+    p.add_argument("--peak-tflops", type=float, default=None, help="override the preset's dense BF16 TFLOP/s per GPU")
+    p.add_argument("--hbm-gbps", type=float, default=None, help="override the HBM bandwidth, GB/s per GPU")
+    p.add_argument("--nvlink-gbps", type=float, default=None, help="override the NVLink bandwidth, GB/s per GPU and direction")
+    p.add_argument("--nic-gbps", type=float, default=None, help="override the inter-node bandwidth, GB/s per GPU and direction")
+    p.add_argument("--capacity-gb", type=float, default=None, help="override the memory per GPU, GB (1e9 bytes)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe field")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
     p = sub.add_parser("inspect", help="show a run's or checkpoint's stage, step, tokens, parameters and growth history",
                        description="Show where a run stands: stage, step, tokens, parameter counts, and each growth "
                        "transition with its invariance report. Reads only the checkpoint's meta.json.")
@@ -64,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+    p = sub.add_parser("export-adapters", help="write a checkpoint's LoRA adapters in peft's layout (adapter_config.json + safetensors)",
+                       description="Write the LoRA adapters of a checkpoint (the NF4 experts' per-expert LoRA pairs, as peft "
+                       "target_parameters LoRA on experts.w_gate/w_up/w_down, and any peft LoRA on dense layers) as "
+                       "adapter_config.json + adapter_model.safetensors, loadable with peft's PeftModel.from_pretrained onto the "
+                       "base model (full-precision experts holding the dequantized NF4 bases; --base writes it too).")
+    p.add_argument("checkpoint", type=Path, help="run directory (its newest complete checkpoint) or a checkpoint directory")
+    p.add_argument("out_dir", type=Path, help="directory to write the adapter files into")
+    p.add_argument("--base", action="store_true", help="also write the base model (base_model.safetensors + base_model_config.json)")
     return parser
 
 
@@ -97,6 +128,12 @@ def _user_error_code(exc: Exception) -> int | None:
     from growtrain.stages import GrowthCheckFailed
 
     if isinstance(exc, (RecipeError, DataError, CheckpointError)):
+        return 2
+    export = sys.modules.get("growtrain.export")  # loaded by export-adapters only
+    if export is not None and isinstance(exc, export.ExportError):
+        return 2
+    plan = sys.modules.get("growtrain.plan")  # loaded by `plan` only
+    if plan is not None and isinstance(exc, plan.PlanError):
         return 2
     if isinstance(exc, GrowthCheckFailed):
         return 3
@@ -175,6 +212,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_export_adapters(args) -> int:
+    from growtrain.export import export_adapters
+
+    summary = export_adapters(args.checkpoint, args.out_dir, with_base=args.base)
+    print(
+        f"wrote {summary['adapter_parameters']:,} adapter parameters ({summary['adapter_tensors']} tensors) from "
+        f"{summary['checkpoint']} to {summary['out_dir']}"
+    )
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from growtrain.plan import format_plan, get_hardware, plan_recipe
+    from growtrain.recipe import load_recipe
+
+    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes)):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    hw = get_hardware(
+        args.hardware, gpus_per_node=args.gpus, nodes=args.nodes, peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps,
+        nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps, capacity_gb=args.capacity_gb,
+    )
+    result = plan_recipe(load_recipe(args.recipe, args.overrides), hw)
+    print(json.dumps(result) if args.json else format_plan(result))
+    return 0 if all(s["fits"] for s in result["stages"]) else 1
+
+
 COMMANDS = {
     "run": cmd_run,
     "validate": cmd_validate,
@@ -182,6 +247,8 @@ COMMANDS = {
     "schema": cmd_schema,
     "inspect": cmd_inspect,
     "generate": cmd_generate,
+    "export-adapters": cmd_export_adapters,
+    "plan": cmd_plan,
 }
 
 

@@ -6,6 +6,15 @@ ones and transforms each moment by DESIGN.md §7's rule (a scaled copy β·p of 
 over p's copies, gets m/S, v/S², LR ×β, weight decay ×1/β and epsilon ×1/S), so that one step after
 growth moves the function as the same step before it would have. A multiplier is a float or a
 tensor shaped like its parameter. Plain tensor ops only: bitwise deterministic on CPU.
+
+Two per-element refinements keep growth's dynamics:
+- `step` may be an integer tensor shaped like the parameter: elements that joined an existing
+  tensor fresh (new neurons, new heads) count their own steps, so Adam's bias correction treats
+  them as a fresh parameter (zero moments under the tensor's copied step count would make their
+  first updates ~0.45x normal at beta2 = 0.95, and several times too large at beta2 = 0.999).
+- `norm_mult` weighs each element's squared gradient in the global clipping norm. A copy among
+  others carries S·β, so the norm of a grown model's gradient equals the ungrown one's and
+  clipping scales the step exactly as it would have before growth.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ class ParamState:
     lr_mult: float | torch.Tensor = 1.0
     wd_mult: float | torch.Tensor = 1.0
     eps_mult: float | torch.Tensor = 1.0
+    norm_mult: float | torch.Tensor = 1.0  # weight of this parameter's squared gradient in the clip norm
 
     @classmethod
     def fresh(cls, p: torch.Tensor, decay: bool) -> "ParamState":
@@ -39,6 +49,15 @@ def decays(name: str, p: torch.Tensor) -> bool:
 
 
 class AdamW:
+    def __new__(cls, *args, **kwargs):
+        # optimizer.dense_state_bits: 8 builds the variant with 8-bit dense moments (growtrain/optim8bit.py).
+        cfg = kwargs.get("cfg", args[1] if len(args) > 1 else None)
+        if cls is AdamW and getattr(cfg, "dense_state_bits", 32) == 8:
+            from growtrain.optim8bit import AdamW8bit
+
+            return super().__new__(AdamW8bit)
+        return super().__new__(cls)
+
     def __init__(self, named_params: dict[str, nn.Parameter], cfg: OptimizerConfig):
         self.cfg = cfg
         self.params: dict[str, nn.Parameter] = {}
@@ -71,7 +90,7 @@ class AdamW:
             if p.grad is None:
                 continue
             s = self.state[name]
-            s.step += 1
+            s.step += 1  # an int, or an integer tensor of per-element counts
             g = p.grad.float()
             s.exp_avg.mul_(b1).add_(g, alpha=1 - b1)
             s.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -95,6 +114,7 @@ class AdamW:
                 "lr_mult": s.lr_mult,
                 "wd_mult": s.wd_mult,
                 "eps_mult": s.eps_mult,
+                "norm_mult": s.norm_mult,
             }
             for name, s in self.state.items()
         }
@@ -102,15 +122,32 @@ class AdamW:
     def load_state_dict(self, d: dict) -> None:
         self.rebind(self.params, {n: ParamState(**v) for n, v in d.items()})
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """clip_grad_norm over this optimizer's parameters, each weighted by its `norm_mult`."""
+        names = list(self.params)
+        return clip_grad_norm([self.params[n] for n in names], max_norm, [self.state[n].norm_mult for n in names])
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Global L2 norm of the gradients (returned before clipping); clips in place when max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, weights: list | None = None) -> float:
+    """Global L2 norm of the gradients (returned before clipping); clips in place when max_norm > 0.
+
+    weights: per parameter, a float or a tensor shaped like it, multiplying its squared gradient
+    (1 everywhere: the plain norm, computed exactly as without weights)."""
+    weights = weights if weights is not None else [1.0] * len(params)
+    pairs = [(p.grad, w) for p, w in zip(params, weights) if p.grad is not None]
+    if not pairs:
         return 0.0
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+    grads = [g for g, _ in pairs]
+    total = torch.linalg.vector_norm(torch.stack([_weighted_norm(g.float(), w) for g, w in pairs])).item()
     if max_norm > 0 and math.isfinite(total) and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for g in grads:
             g.mul_(scale)
     return total
+
+
+def _weighted_norm(g: torch.Tensor, weight) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return (weight.to(g.dtype) * g * g).sum().sqrt()
+    norm = torch.linalg.vector_norm(g)
+    return norm if weight == 1.0 else norm * math.sqrt(weight)

@@ -116,6 +116,14 @@ class OptimizerConfig:
         default=3,
         metadata={"doc": "Consecutive non-finite steps skipped before the run stops (no checkpoint of a bad state).", "ge": 0},
     )
+    dense_state_bits: Literal[32, 8] = field(
+        default=32,
+        metadata={
+            "doc": "Bits per Adam moment of the dense parts: 8 stores them blockwise-quantized as bitsandbytes' 8-bit "
+            "optimizers do (blocks of 256, dynamic map; ~2.03 instead of 8 bytes per parameter) for every trainable "
+            "tensor of >= 4096 elements except the experts' LoRA adapters, the routers and the token embeddings."
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -530,6 +538,8 @@ def model_problems(cfg: ModelConfig) -> list[tuple[tuple, str]]:
         out.append((("moe_layers",), "a layer is listed twice"))
     if cfg.moe is not None:
         out.extend((("moe",) + p, m) for p, m in moe_problems(cfg.moe))
+        if cfg.moe.expert_format == "nf4" and (cfg.d_model * cfg.moe.expert_hidden) % 2:
+            out.append((("moe", "expert_format"), f"nf4 packs two weights per byte: d_model x expert_hidden ({cfg.d_model} x {cfg.moe.expert_hidden}) must be even"))
     return out
 
 
@@ -543,12 +553,14 @@ def moe_problems(moe: MoEConfig) -> list[tuple[tuple, str]]:
         out.append((("expert_hidden",), f"must be >= 1, got {moe.expert_hidden}"))
     if moe.shared_expert_hidden < 0:
         out.append((("shared_expert_hidden",), "must be >= 0"))
-    from growtrain.model.moe import EXPERT_BACKENDS
+    from growtrain.model.moe import expert_backends
 
-    if moe.expert_backend not in EXPERT_BACKENDS:
-        near = difflib.get_close_matches(moe.expert_backend, list(EXPERT_BACKENDS), n=1)
+    backends = expert_backends(moe.expert_format) if moe.expert_format in ("full", "nf4") else {}
+    if moe.expert_backend not in backends:
+        near = difflib.get_close_matches(moe.expert_backend, list(backends), n=1)
         hint = f"; did you mean '{near[0]}'?" if near else ""
-        out.append((("expert_backend",), f"unknown expert backend '{moe.expert_backend}'{hint} (valid: {', '.join(EXPERT_BACKENDS)})"))
+        what = "" if moe.expert_format == "full" else f"{moe.expert_format} "
+        out.append((("expert_backend",), f"unknown {what}expert backend '{moe.expert_backend}'{hint} (valid: {', '.join(backends)})"))
     return out
 
 

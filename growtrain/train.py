@@ -30,7 +30,7 @@ from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
 from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
-from growtrain.optim import AdamW, clip_grad_norm
+from growtrain.optim import AdamW
 from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain
 from growtrain.stages import GrowthCheckFailed, apply_growth, plan_stage_models
 from growtrain.tracking import Console, MetricsFile, Tracker, format_duration
@@ -301,16 +301,21 @@ class Run:
             self.console.write(
                 f"growth [{stage.name}] {r['operator']} ({'exact' if r['exact'] else 'approximate'}): "
                 f"params {r['params_before']:,} -> {r['params_after']:,}, max|Δlogit| {m['max_abs_dlogits']:.2e}, "
-                f"rel L2 {m['rel_l2']:.2e}, cosine {m['cosine']:.6f}, Δloss {m['loss_after'] - m['loss_before']:+.2e} — passed"
+                f"rel L2 {m['rel_l2']:.2e}, cosine {m['cosine']:.6f}, Δloss {m['loss_after'] - m['loss_before']:+.2e}"
+                + (f", router KL ≤ {m['max_router_kl']:.1e}" if "max_router_kl" in m else "")
+                + " — passed"
             )
         self.tracker.log_transition(stage.name, outcome.records, pos.global_step)
+        self.tracker.log_metrics(
+            {f"growth/{stage.name}/{r['index']}_{r['operator']}/router_kl/block{b}": v for r in outcome.records for b, v in r["metrics"].get("router_kl", {}).items()},
+            pos.global_step,
+        )
         maybe_fault("after_transition")
 
     def _train_stage(self, pos: Position, stage: StageConfig, corpus: Corpus) -> None:
         recipe = self.recipe
         precision = recipe.train.precision
         evals = eval_batches(corpus.eval_tokens, stage.batch_size, stage.seq_len, recipe.train.eval_batches)
-        params = list(self.optimizer.params.values())
         tokens_per_step = stage.batch_size * stage.seq_len * stage.grad_accum
         self.console.write(
             f"stage {pos.stage + 1}/{len(recipe.stages)} '{stage.name}': {self.model.num_parameters():,} params, "
@@ -330,7 +335,9 @@ class Run:
                 aux_sum += aux.item() / stage.grad_accum
                 loads = [s.load for s in stats] if loads is None else [a + s.load for a, s in zip(loads, stats)]
             maybe_fault("step_mid")
-            grad_norm = clip_grad_norm(params, recipe.optimizer.grad_clip)
+            # Measured in the seed model's parametrization (per-element weights set by growth), so
+            # clipping scales a grown model's step as it would have scaled the ungrown one's.
+            grad_norm = self.optimizer.clip_grad_norm(recipe.optimizer.grad_clip)
             finite = math.isfinite(ce_sum) and math.isfinite(aux_sum) and math.isfinite(grad_norm)
             if finite:
                 self.optimizer.step(lr)

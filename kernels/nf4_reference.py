@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +79,10 @@ class NF4LoRAExperts:
         return self.gate.num_experts
 
 
-Dequantize = Callable[[NF4Stack, int], torch.Tensor]
+Dequantize = Callable[[NF4Stack, list[int]], torch.Tensor]
+
+
+_BNB = None
 
 
 def _silence_bitsandbytes_start_up() -> None:
@@ -90,10 +93,13 @@ def _silence_bitsandbytes_start_up() -> None:
 
 def bitsandbytes_functional():
     """bitsandbytes.functional, imported on first use (the import takes seconds)."""
-    _silence_bitsandbytes_start_up()
-    import bitsandbytes.functional as bnbf
+    global _BNB
+    if _BNB is None:
+        _silence_bitsandbytes_start_up()
+        import bitsandbytes.functional as bnbf
 
-    return bnbf
+        _BNB = bnbf
+    return _BNB
 
 
 def quant_state(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32):
@@ -124,34 +130,74 @@ def quant_state(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32):
 
 
 def dequantize_nf4_bitsandbytes(stack: NF4Stack, e: int) -> torch.Tensor:
-    """Expert e's [rows, cols] matrix in float32, dequantized by bitsandbytes."""
+    """Expert e's [rows, cols] matrix in float32, dequantized by bitsandbytes (its QuantState as is)."""
     bnbf = bitsandbytes_functional()
     return bnbf.dequantize_4bit(stack.codes_EP[e].reshape(-1, 1), quant_state(stack, e)).view(stack.rows, stack.cols)
 
 
-def _blockwise_scale(values_N: torch.Tensor, scales_B: torch.Tensor, blocksize: int) -> torch.Tensor:
-    n = values_N.numel()
+def _blockwise_scale(values_KN: torch.Tensor, scales_KB: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """values [K, N] times the scale of their block of `blocksize` (blocks restart at each row)."""
+    K, n = values_KN.shape
     pad = (-n) % blocksize
-    padded = F.pad(values_N, (0, pad)).view(-1, blocksize)
-    return (padded * scales_B.view(-1, 1)).reshape(-1)[:n]
+    padded = F.pad(values_KN, (0, pad)).view(K, -1, blocksize)
+    return (padded * scales_KB.view(K, -1, 1)).reshape(K, -1)[:, :n]
+
+
+def absmax_values(stack: NF4Stack, experts_K: list[int]) -> torch.Tensor:
+    """[K, A] float32 block scales of the listed experts, as bitsandbytes computes them
+    (dequantize_blockwise, then + offset): map[q] * nested_absmax, then + offset, one fp32 rounding
+    each (no fused multiply-add), so bit for bit the same."""
+    idx = torch.as_tensor(experts_K, dtype=torch.long, device=stack.codes_EP.device)
+    if not stack.double_quant:
+        return stack.absmax_EA.index_select(0, idx).float()
+    codes_KA = stack.absmax_EA.index_select(0, idx).long()
+    nested_KM = stack.nested_absmax_EM.index_select(0, idx).float()
+    absmax_KA = _blockwise_scale(stack.nested_quant_map.float()[codes_KA], nested_KM, stack.nested_blocksize)
+    return absmax_KA + stack.offset_E.index_select(0, idx).float().view(-1, 1)
 
 
 def dequantize_nf4_torch(stack: NF4Stack, e: int) -> torch.Tensor:
     """The same as `dequantize_nf4_bitsandbytes`, bit for bit, in plain PyTorch ops (the ground
     truth of a fused dequantizing kernel): absmax = dynamic_map[q] * nested_absmax + offset, then
     weight = nf4_map[code] * absmax, each one fp32 multiply as in bitsandbytes."""
-    if stack.double_quant:
-        absmax_A = _blockwise_scale(
-            stack.nested_quant_map.float()[stack.absmax_EA[e].long()], stack.nested_absmax_EM[e].float(), stack.nested_blocksize
-        )
-        absmax_A = absmax_A + stack.offset_E[e].float()
-    else:
-        absmax_A = stack.absmax_EA[e].float()
-    packed_P = stack.codes_EP[e]
-    codes = torch.stack(((packed_P >> 4).long(), (packed_P & 0xF).long()), dim=-1).reshape(-1)
+    return dequantize_experts_torch(stack, [e])[0]
+
+
+def dequantize_experts_torch(stack: NF4Stack, experts_K: list[int]) -> torch.Tensor:
+    """[K, rows, cols] float32 of the listed experts, in plain PyTorch ops."""
+    idx = torch.as_tensor(experts_K, dtype=torch.long, device=stack.codes_EP.device)
+    packed_KP = stack.codes_EP.index_select(0, idx)
+    codes_KN = torch.stack(((packed_KP >> 4).long(), (packed_KP & 0xF).long()), dim=-1).reshape(len(experts_K), -1)
     n = stack.rows * stack.cols
-    values = stack.quant_map.float()[codes[:n]]
-    return _blockwise_scale(values, absmax_A, stack.blocksize).view(stack.rows, stack.cols)
+    values_KN = stack.quant_map.float()[codes_KN[:, :n]]
+    return _blockwise_scale(values_KN, absmax_values(stack, experts_K), stack.blocksize).view(-1, stack.rows, stack.cols)
+
+
+def dequantize_experts_bitsandbytes(stack: NF4Stack, experts_K: list[int]) -> torch.Tensor:
+    """[K, rows, cols] float32 of the listed experts: the block scales as bitsandbytes computes them
+    (`absmax_values`), then one bitsandbytes dequantize_4bit over all K experts' codes (their blocks
+    line up end to end when a matrix holds a whole number of blocks; otherwise one call per
+    expert). One call instead of K matters: each bitsandbytes call costs tens of microseconds, and
+    far more when its OpenMP threads compete for busy cores."""
+    n = stack.rows * stack.cols
+    if n % stack.blocksize or n % 2:
+        return torch.stack([dequantize_nf4_bitsandbytes(stack, e) for e in experts_K])
+    bnbf = bitsandbytes_functional()
+    idx = torch.as_tensor(experts_K, dtype=torch.long, device=stack.codes_EP.device)
+    codes = stack.codes_EP.index_select(0, idx).reshape(-1, 1)
+    state = bnbf.QuantState(
+        absmax=absmax_values(stack, experts_K).reshape(-1).contiguous(),
+        shape=torch.Size([len(experts_K) * n]),
+        code=stack.quant_map.float(),
+        blocksize=stack.blocksize,
+        quant_type="nf4",
+        dtype=torch.float32,
+    )
+    return bnbf.dequantize_4bit(codes, state).view(-1, stack.rows, stack.cols)
+
+
+# Experts dequantized together, at most this many weights per matrix at a time (64 MiB in fp32).
+DEQUANT_GROUP_NUMEL = 1 << 24
 
 
 def _lora(x_nI: torch.Tensor, lora: LoRAStack, e: int) -> torch.Tensor:
@@ -166,36 +212,37 @@ def grouped_swiglu_nf4_lora_reference(
 ) -> torch.Tensor:
     """Rows offsets[e]:offsets[e+1] of x go through expert e, whose matrices are the frozen NF4
     bases plus LoRA: g = x Wg^T + s (x Ag^T) Bg^T, u likewise, h = silu(g) * u,
-    y = h Wd^T + s (h Ad^T) Bd^T. Only experts with rows are dequantized; the dequantized bases
-    are constants of the graph (no gradient), so backward reaches x and the LoRA pairs only.
-    `dequantize` defaults to bitsandbytes'. Returns y_sorted_ND."""
-    dequantize = dequantize or dequantize_nf4_bitsandbytes
+    y = h Wd^T + s (h Ad^T) Bd^T. Only experts with rows are dequantized (in groups of up to
+    DEQUANT_GROUP_NUMEL weights); the dequantized bases are constants of the graph (no gradient),
+    so backward reaches x and the LoRA pairs only. `dequantize(stack, experts) -> [K, rows, cols]`
+    defaults to `dequantize_experts_bitsandbytes`. Returns y_sorted_ND."""
+    dequantize = dequantize or dequantize_experts_bitsandbytes
     E = experts.num_experts
     if offsets_E1.numel() != E + 1:
         raise ValueError(f"offsets must have E + 1 = {E + 1} entries, got {offsets_E1.numel()}")
     bounds = offsets_E1.tolist()  # one host sync per call, as in the full-precision reference
     if bounds[0] != 0 or bounds[-1] != x_sorted_ND.shape[0]:
         raise ValueError(f"offsets must run from 0 to N = {x_sorted_ND.shape[0]}, got {bounds[0]}..{bounds[-1]}")
-    # fp64 inputs (exact tests) get fp64 bases; otherwise fp32, and autocast picks the matmul dtype.
-    base_dtype = torch.promote_types(x_sorted_ND.dtype, torch.float32)
-    chunks = []
     for e in range(E):
-        start, end = bounds[e], bounds[e + 1]
-        if end < start:
-            raise ValueError(f"offsets must be non-decreasing, got {start} > {end} at expert {e}")
-        if end == start:
-            continue
-        x_nD = x_sorted_ND[start:end]
-        w_gate_FD = dequantize(experts.gate, e).to(base_dtype)
-        w_up_FD = dequantize(experts.up, e).to(base_dtype)
-        w_down_t_FD = dequantize(experts.down, e).to(base_dtype)
-        g_nF = x_nD @ w_gate_FD.T + _lora(x_nD, experts.gate_lora, e)
-        u_nF = x_nD @ w_up_FD.T + _lora(x_nD, experts.up_lora, e)
-        h_nF = F.silu(g_nF) * u_nF
-        chunks.append(h_nF @ w_down_t_FD + _lora(h_nF, experts.down_lora, e))
-    if not chunks:
+        if bounds[e + 1] < bounds[e]:
+            raise ValueError(f"offsets must be non-decreasing, got {bounds[e]} > {bounds[e + 1]} at expert {e}")
+    active = [e for e in range(E) if bounds[e + 1] > bounds[e]]
+    if not active:
         zero = x_sorted_ND.sum() + sum(p.sum() for l in (experts.gate_lora, experts.up_lora, experts.down_lora) for p in (l.A_ERI, l.B_EOR))
         return x_sorted_ND.new_zeros((0, experts.down.cols)) + 0 * zero
+    # fp64 inputs (exact tests) get fp64 bases; otherwise fp32, and autocast picks the matmul dtype.
+    base_dtype = torch.promote_types(x_sorted_ND.dtype, torch.float32)
+    per_group = max(1, DEQUANT_GROUP_NUMEL // (experts.gate.rows * experts.gate.cols))
+    chunks = []
+    for g0 in range(0, len(active), per_group):
+        group = active[g0 : g0 + per_group]
+        w_gate_KFD, w_up_KFD, w_down_t_KFD = (dequantize(st, group).to(base_dtype) for st in (experts.gate, experts.up, experts.down))
+        for k, e in enumerate(group):
+            x_nD = x_sorted_ND[bounds[e] : bounds[e + 1]]
+            g_nF = x_nD @ w_gate_KFD[k].T + _lora(x_nD, experts.gate_lora, e)
+            u_nF = x_nD @ w_up_KFD[k].T + _lora(x_nD, experts.up_lora, e)
+            h_nF = F.silu(g_nF) * u_nF
+            chunks.append(h_nF @ w_down_t_KFD[k] + _lora(h_nF, experts.down_lora, e))
     return torch.cat(chunks, dim=0)
 
 

@@ -1,4 +1,7 @@
-"""Helpers shared by the operators: building the grown model strictly from a full state dict."""
+"""Helpers shared by the operators: building the grown model strictly from a full state dict,
+gathering slices with new (-1) entries, and redrawing expert neurons (drop-upcycling).
+
+Legend: E experts, F expert hidden width, D d_model."""
 
 from __future__ import annotations
 
@@ -23,3 +26,66 @@ def fresh_state(cfg: ModelConfig, like: GrowLM) -> dict[str, torch.Tensor]:
     CPU (same draws whatever the device), then put on `like`'s device and dtype."""
     ref = next(like.parameters())
     return {k: v.to(device=ref.device, dtype=ref.dtype if v.is_floating_point() else v.dtype) for k, v in GrowLM(cfg).state_dict().items()}
+
+
+def take(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """The slices of `x` along `dim` at `index`; an index of -1 gives a slice of zeros (a new
+    element). Used for weights and, through Provenance.transform, for every optimizer tensor."""
+    index = index.to(x.device)
+    out = x.index_select(dim, index.clamp_min(0))
+    new = index < 0
+    if bool(new.any()):
+        out = out.masked_fill(_along(new, dim, x.ndim), 0)
+    return out
+
+
+def new_elements(shape: torch.Size, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """Bool mask shaped `shape`: True where `take(..., dim, index)` put a new (-1) slice."""
+    return _along(index < 0, dim, len(shape)).expand(shape).clone()
+
+
+def _along(mask_N: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
+    shape = [1] * ndim
+    shape[dim] = -1
+    return mask_N.view(shape)
+
+
+def redraw_neurons(w_EFD: torch.Tensor, redraw_EF: torch.Tensor, hidden_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-upcycling: the neurons marked in `redraw_EF` redrawn from N(mean, std) of each expert's
+    own matrix (drawn on the CPU, as fresh_state does: the same draws whatever the device).
+    Returns the weight and the mask of redrawn elements."""
+    stats = w_EFD.double().flatten(1)
+    mean, std = stats.mean(1), stats.std(1)
+    shape = [-1] + [1] * (w_EFD.ndim - 1)
+    draw = torch.randn(w_EFD.shape, dtype=torch.float64) * std.cpu().view(shape) + mean.cpu().view(shape)
+    mask = redraw_EF.unsqueeze(2 if hidden_dim == 1 else 1).expand(w_EFD.shape).to(w_EFD.device)
+    return torch.where(mask, draw.to(device=w_EFD.device, dtype=w_EFD.dtype), w_EFD), mask
+
+
+def pick_neurons(n_experts: int, hidden: int, fraction: float, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """[E, F] bool: round(fraction·F) random neurons per expert (none for experts marked in `skip`)."""
+    count = round(fraction * hidden)
+    mask = torch.zeros(n_experts, hidden, dtype=torch.bool)
+    for e in range(n_experts):
+        if count and (skip is None or not skip[e]):
+            mask[e, torch.randperm(hidden)[:count]] = True
+    return mask
+
+
+def sibling_copies(kept_EF: torch.Tensor, parent_E: torch.Tensor, n_parents: int) -> torch.Tensor:
+    """S per (expert, neuron): how many experts with the same parent kept that parent's neuron."""
+    totals = torch.zeros(n_parents, kept_EF.shape[1], dtype=torch.float32).index_add_(0, parent_E, kept_EF.float())
+    return totals[parent_E].clamp_min(1.0)  # a neuron every sibling redrew is fresh everywhere: S unused
+
+
+def along_hidden(v_EF: torch.Tensor, shape: torch.Size, hidden_dim: int) -> torch.Tensor:
+    return v_EF.unsqueeze(2 if hidden_dim == 1 else 1).expand(shape).clone()
+
+
+def require_full_experts(cfg, op: str, why: str = "") -> None:
+    """Operators that rewrite expert matrices element by element need them in full precision."""
+    from growtrain.stages.registry import GrowthPlanError
+
+    fmt = getattr(cfg.moe, "expert_format", "full") if cfg.moe is not None else "full"
+    if fmt != "full":
+        raise GrowthPlanError(f"{op}: the experts are {fmt}; apply it before quantize_experts{why}")

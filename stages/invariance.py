@@ -1,24 +1,75 @@
 """Invariance checks around a growth operator (DESIGN.md §8): the function on a fixed held-out
-probe batch, and the structure (every parameter produced exactly once, every old one used, the
-planned parameter count, optimizer state for every trainable parameter)."""
+probe batch (logits, each block's output streams, each MoE layer's router distribution), and the
+structure (every parameter produced exactly once, every old one used, the planned parameter
+count, optimizer state for every trainable parameter).
+
+Legend: B batch, T sequence (or tokens, flattened), D d_model, V vocabulary, E experts.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from growtrain.stages.registry import Provenance
+from growtrain.stages.registry import Growth, Provenance
+
+PROVENANCE_KINDS = ("carried", "copy", "new", "reset")
+
+
+# ---------------------------------------------------------------- probing
+
+
+@dataclass
+class Probe:
+    """What one model computes on the probe batch, in float64."""
+
+    logits_BTV: torch.Tensor
+    streams: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # block -> (y1, y2)
+    routes_TE: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE block -> router distribution per token
 
 
 @torch.no_grad()
-def probe_logits(model, inputs_BT: torch.Tensor) -> torch.Tensor:
+def probe(model, inputs_BT: torch.Tensor) -> Probe:
+    """Run the model in eval mode, recording each block's output streams and each router's
+    per-token distribution over experts (forward hooks: nothing is stored on the model). A model
+    whose forward bypasses the modules' __call__ simply yields fewer records."""
+    out = Probe(torch.empty(0))
+    handles = []
+    for i, block in enumerate(model.blocks):
+        handles.append(block.register_forward_hook(partial(_keep_streams, out.streams, i)))
+        if block.is_moe:
+            moe = block.g.ffn
+            handles.append(moe.router.register_forward_hook(partial(_keep_route, out.routes_TE, i, moe)))
     was_training = model.training
     model.eval()
-    logits = model(inputs_BT).logits.double()
-    model.train(was_training)
-    return logits
+    try:
+        out.logits_BTV = model(inputs_BT).logits.double()
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return out
+
+
+def probe_logits(model, inputs_BT: torch.Tensor) -> torch.Tensor:
+    return probe(model, inputs_BT).logits_BTV
+
+
+def _keep_streams(store, index, module, args, output) -> None:
+    store[index] = (output[0].detach().double(), output[1].detach().double())
+
+
+def _keep_route(store, index, moe, module, args, logits_TE) -> None:
+    scores_TE = moe.scores(logits_TE.detach().double())
+    # Softmax scores already sum to 1; sigmoid scores are normalized the way the aux loss reads them.
+    store[index] = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-300)
+
+
+# ---------------------------------------------------------------- function metrics
 
 
 def function_metrics(before_BTV: torch.Tensor, after_BTV: torch.Tensor, targets_BT: torch.Tensor) -> dict:
@@ -36,20 +87,99 @@ def function_metrics(before_BTV: torch.Tensor, after_BTV: torch.Tensor, targets_
     }
 
 
-def function_problems(metrics: dict, exact: bool, cfg) -> list[str]:
-    """cfg: an InvarianceConfig. Exact operators meet a tight relative bar; approximate ones the recipe's thresholds."""
-    if not all(math.isfinite(v) for v in metrics.values()):
-        return [f"non-finite probe metrics: {metrics}"]
+def block_pairs(old_model, new_model, growth: Growth) -> dict[int, int]:
+    """New block -> old block computing the same output streams."""
+    if growth.blocks is not None:
+        return dict(growth.blocks)
+    return {i: i for i in range(min(len(old_model.blocks), len(new_model.blocks)))}
+
+
+def block_drift(before: Probe, after: Probe, pairs: dict[int, int], view=None) -> dict[str, float]:
+    """Relative L2 change of each block's output streams (both concatenated), keyed by new block."""
+    view = view or (lambda x: x)
+    drift = {}
+    for new, old in sorted(pairs.items()):
+        if new not in after.streams or old not in before.streams:
+            continue
+        a = torch.cat(before.streams[old], -1)
+        b = torch.cat([view(y) for y in after.streams[new]], -1)
+        drift[str(new)] = ((b - a).norm() / a.norm().clamp_min(1e-30)).item()
+    return drift
+
+
+def router_pairs(old_model, new_model, growth: Growth, pairs: dict[int, int]) -> dict[int, tuple[int, torch.Tensor | None]]:
+    """New MoE block -> (old MoE block, parent expert of each new expert or None for the same experts)."""
+    if growth.routers is not None:
+        return {new: (pairs[new], parent) for new, parent in growth.routers.items()}
+    out = {}
+    for new, old in pairs.items():
+        nb, ob = new_model.blocks[new], old_model.blocks[old]
+        if nb.is_moe and ob.is_moe and nb.g.ffn.num_experts == ob.g.ffn.num_experts:
+            out[new] = (old, None)
+    return out
+
+
+def router_kl(before: Probe, after: Probe, pairs: dict[int, tuple[int, torch.Tensor | None]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per MoE layer (keyed by new block): KL(old || new) of the token-averaged router distribution,
+    and the mean per-token KL (an upper bound of the first, by convexity). New experts' scores are
+    summed onto their parents first, so a split or clone that only divides a parent's mass among
+    its children reads 0."""
+    averaged, per_token = {}, {}
+    for new, (old, parent) in sorted(pairs.items()):
+        if new not in after.routes_TE or old not in before.routes_TE:
+            continue
+        p_TE = before.routes_TE[old]
+        q_TE = after.routes_TE[new]
+        if parent is not None:
+            q_TE = q_TE.new_zeros(p_TE.shape).index_add_(1, parent.to(q_TE.device), q_TE)
+        averaged[str(new)] = max(0.0, _kl(p_TE.mean(0), q_TE.mean(0)).item())
+        per_token[str(new)] = max(0.0, _kl(p_TE, q_TE).mean().item())
+    return averaged, per_token
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    tiny = 1e-300
+    return (p * (p.clamp_min(tiny).log() - q.clamp_min(tiny).log())).sum(-1)
+
+
+# ---------------------------------------------------------------- problems
+
+
+def function_problems(metrics: dict, exact: bool, cfg, drift: dict[str, float] | None = None) -> list[str]:
+    """cfg: an InvarianceConfig. Exact operators meet a tight relative bar; approximate ones the
+    recipe's thresholds. `drift` (block -> relative change) locates where an exact operator broke."""
+    scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
+    if not all(math.isfinite(v) for v in scalars.values()):
+        return [f"non-finite probe metrics: {scalars}"]
+    drift = drift or {}
     if exact:
         if metrics["rel_l2"] > cfg.exact_rel_tol:
-            return [f"logits moved by relative L2 {metrics['rel_l2']:.3g} > {cfg.exact_rel_tol:g} for an exact operator (max |Δlogit| {metrics['max_abs_dlogits']:.3g})"]
+            moved = [(int(b), d) for b, d in drift.items() if d > cfg.exact_rel_tol]
+            where = (
+                f"; first block whose output moved: block {min(moved)[0]} (relative L2 {min(moved)[1]:.3g})"
+                if moved
+                else ("; every block's output matches: the change is in the final norm or LM head" if drift else "")
+            )
+            return [
+                f"logits moved by relative L2 {metrics['rel_l2']:.3g} > {cfg.exact_rel_tol:g} for an exact operator "
+                f"(max |Δlogit| {metrics['max_abs_dlogits']:.3g}){where}"
+            ]
         return []
     problems = []
+    worst = max(drift.items(), key=lambda kv: kv[1]) if drift else None
+    where = f" (largest block drift: block {worst[0]}, relative L2 {worst[1]:.3g})" if worst else ""
     if metrics["rel_dloss"] > cfg.max_rel_dloss:
-        problems.append(f"relative Δloss {metrics['rel_dloss']:.3g} > {cfg.max_rel_dloss:g}")
+        problems.append(f"relative Δloss {metrics['rel_dloss']:.3g} > {cfg.max_rel_dloss:g}{where}")
     if metrics["cosine"] < cfg.min_cosine:
-        problems.append(f"logit cosine {metrics['cosine']:.5f} < {cfg.min_cosine:g}")
+        problems.append(f"logit cosine {metrics['cosine']:.5f} < {cfg.min_cosine:g}{where}")
     return problems
+
+
+def router_problems(kl: dict[str, float], exact: bool, cfg) -> list[str]:
+    """Exact operators keep every router's (parent-aggregated) distribution: KL within the exact bar."""
+    limit = cfg.exact_rel_tol if exact else cfg.max_router_kl
+    what = " for an exact operator" if exact else ""
+    return [f"router KL {v:.3g} > {limit:g} at the MoE layer of block {b}{what}" for b, v in kl.items() if not v <= limit]
 
 
 def structure_problems(old_model, new_model, provenance: dict[str, Provenance], planned_params: int) -> list[str]:
@@ -62,7 +192,10 @@ def structure_problems(old_model, new_model, provenance: dict[str, Provenance], 
     stray = sorted(set(provenance) - set(new_names))
     if stray:
         problems.append(f"the operator describes parameters the grown model does not have: {stray[:4]}")
-    sources = {p.source for p in provenance.values() if p.kind in ("carried", "copy")}
+    unknown = sorted(n for n, p in provenance.items() if p.kind not in PROVENANCE_KINDS)
+    if unknown:
+        problems.append(f"provenance of unknown kind (valid: {', '.join(PROVENANCE_KINDS)}): {unknown[:4]}")
+    sources = {p.source for p in provenance.values() if p.kind in ("carried", "copy", "reset")}
     missing_sources = sorted(s for s in sources if s not in old_names)
     if missing_sources:
         problems.append(f"carried from parameters that do not exist: {missing_sources[:4]}")
@@ -73,7 +206,59 @@ def structure_problems(old_model, new_model, provenance: dict[str, Provenance], 
     twice = sorted({s for s in carried if carried.count(s) > 1})
     if twice:
         problems.append(f"parameters carried into two places (use 'copy' with S): {twice[:4]}")
+    params = dict(new_model.named_parameters())
+    old_params = dict(old_model.named_parameters())
+    # A parameter that claims to be carried must hold its source's values: catches a load that
+    # silently skipped it (non-strict, renamed key) and left it at its random init.
+    altered = sorted(
+        n
+        for n, p in provenance.items()
+        if p.kind == "carried" and n in params and p.source in old_params and not _same(params[n], old_params[p.source])
+    )
+    if altered:
+        problems.append(f"carried parameters that do not hold their source's values: {altered[:4]}")
+    bad_masks = sorted(
+        n for n, p in provenance.items() if p.fresh is not None and n in params and tuple(p.fresh.shape) != tuple(params[n].shape)
+    )
+    if bad_masks:
+        problems.append(f"fresh-element masks shaped unlike their parameters: {bad_masks[:4]}")
     actual = new_model.num_parameters()
     if actual != planned_params:
         problems.append(f"parameter count {actual:,} differs from the planned {planned_params:,}")
+    return problems
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.device != b.device:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype:
+        return True  # the same storage (materialize assigns carried tensors): nothing to compare
+    return bool(torch.equal(a.detach(), b.detach()))
+
+
+def optimizer_problems(new_model, state: dict) -> list[str]:
+    """Optimizer coverage: every trainable parameter has mapped or declared-fresh state of its own
+    shape, finite, and nothing else has state."""
+    trainable = {n: p for n, p in new_model.named_parameters() if p.requires_grad}
+    problems = []
+    missing = sorted(set(trainable) - set(state))
+    if missing:
+        problems.append(f"{len(missing)} trainable parameter(s) have no optimizer state: {missing[:4]}")
+    stray = sorted(set(state) - set(trainable))
+    if stray:
+        problems.append(f"optimizer state for parameters the grown model does not train: {stray[:4]}")
+    misshaped, nonfinite = [], []
+    for name, p in trainable.items():
+        s = state.get(name)
+        if s is None:
+            continue
+        tensors = [s.exp_avg, s.exp_avg_sq] + [x for x in (s.step, s.lr_mult, s.wd_mult, s.eps_mult, s.norm_mult) if isinstance(x, torch.Tensor)]
+        if any(tuple(t.shape) != tuple(p.shape) for t in tensors):
+            misshaped.append(name)
+        elif not all(bool(torch.isfinite(t.float()).all()) for t in tensors):
+            nonfinite.append(name)
+    if misshaped:
+        problems.append(f"optimizer state shaped unlike its parameter: {misshaped[:4]}")
+    if nonfinite:
+        problems.append(f"non-finite optimizer state: {nonfinite[:4]}")
     return problems

@@ -2,9 +2,10 @@
 
 An operator is data plus two pure functions: `plan(config, args) -> config` derives the grown
 shape (used by validation, resume and the planner without touching weights), and
-`apply(model, optimizer_state, args) -> Growth` builds the grown model, maps optimizer state and
-says where every new parameter came from. Each declares whether it is exact (same logits in exact
-arithmetic).
+`apply(model, args) -> Growth` builds the grown model and says where every new parameter (and
+every element of it) came from, which is all the driver needs to map the optimizer state
+(transition.map_optimizer_state) and to compare the two models (invariance.py). Each declares
+whether it is exact (same logits in exact arithmetic), possibly depending on its arguments.
 """
 
 from __future__ import annotations
@@ -32,22 +33,44 @@ class GrowthPlanError(Exception):
 class Provenance:
     """Where one parameter of the grown model came from.
 
-    kind: 'carried' (the same tensor, possibly renamed; state kept), 'copy' (built from `source` by
-    `transform`, every element a β-scaled copy with S summed over the copies: state mapped by
-    DESIGN.md §7), or 'new' (fresh optimizer state; `source` only notes where its init came from).
+    kind: 'carried' (the same tensor, possibly renamed; state kept), 'copy' (built from `source`:
+    `transform` maps any tensor shaped like the source (weights, moments, multipliers, step
+    counts) to the new shape, and the new element is β times the element it lands on, S being the
+    sum of β over all copies of that old element: state mapped by DESIGN.md §7), 'new' (fresh
+    optimizer state; `source` only notes where its init came from), or 'reset' (fresh optimizer
+    state, replacing `source`, whose values were folded into frozen buffers: an expert matrix
+    quantized into its NF4 base, an adapter merged into it; `source` counts as used).
+
+    `copies` (S) and `beta` are floats, or tensors shaped like the new parameter where they vary
+    per element (a split down-projection column, a neuron duplicated more often than others).
+    `fresh` (copy only): a bool mask shaped like the new parameter of elements that are not copies
+    at all but newly drawn (new neurons, new heads, re-initialized rows): they get fresh state with
+    their own step count, inside the same tensor.
     """
 
     kind: str
     source: str | None = None
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
-    copies: float = 1.0  # S
-    beta: float = 1.0
+    copies: float | torch.Tensor = 1.0  # S
+    beta: float | torch.Tensor = 1.0
+    fresh: torch.Tensor | None = None
 
 
 @dataclass
 class Growth:
+    """An operator's result. `blocks` maps each new block to the old block whose output streams it
+    reproduces (None: the identity over the blocks both models have); `stream_view` maps a new
+    stream to the old width (None: identity). `routers` maps a new MoE block to the parent expert of
+    each of its experts (a LongTensor, or None for the same experts); None: every new MoE block
+    whose mapped old block was MoE with as many experts keeps them. A new MoE block missing from an
+    explicit `routers` has no parent router (a fresh one). These feed the per-block and per-layer
+    router checks."""
+
     model: Any  # GrowLM
     provenance: dict[str, Provenance]
+    blocks: dict[int, int] | None = None
+    routers: dict[int, torch.Tensor | None] | None = None
+    stream_view: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +81,10 @@ class Operator:
     args_type: type
     plan: Callable[[ModelConfig, Any], ModelConfig]
     apply: Callable[[Any, Any], Growth]
+    exact_if: Callable[[Any], bool] | None = None  # for an exact operator whose options can make it approximate
+
+    def is_exact(self, args) -> bool:
+        return self.exact and (self.exact_if is None or self.exact_if(args))
 
 
 OPERATORS: dict[str, Operator] = {}

@@ -11,7 +11,18 @@ import torch
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.optim import ParamState, decays
-from growtrain.stages.invariance import function_metrics, function_problems, probe_logits, structure_problems
+from growtrain.stages.invariance import (
+    block_drift,
+    block_pairs,
+    function_metrics,
+    function_problems,
+    optimizer_problems,
+    router_kl,
+    router_pairs,
+    router_problems,
+    structure_problems,
+)
+from growtrain.stages.invariance import probe as run_probe
 from growtrain.stages.registry import GrowthPlanError, Provenance, get_operator
 
 
@@ -46,8 +57,9 @@ def plan_stage_models(seed: ModelConfig, grows) -> list[ModelConfig]:
 
 
 def map_optimizer_state(old: dict[str, ParamState], model, provenance: dict[str, Provenance]) -> dict[str, ParamState]:
-    """DESIGN.md §7: carried state stays; a β-scaled copy among S copies gets m/S, v/S², LR ×β,
-    weight decay ×1/β, epsilon ×1/S and the same step count; new parameters start fresh."""
+    """DESIGN.md §7: carried state stays; a β-scaled copy among copies summing to S gets m/S, v/S²,
+    LR ×β, weight decay ×1/β, epsilon ×1/S, clip-norm weight ×S·β and the same step count; new
+    parameters, and the new elements a copy marks fresh, start fresh with their own step count."""
     new: dict[str, ParamState] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -56,23 +68,57 @@ def map_optimizer_state(old: dict[str, ParamState], model, provenance: dict[str,
         if prov.kind == "carried":
             new[name] = old[prov.source]
         elif prov.kind == "copy":
-            s, t = old[prov.source], prov.transform
-            new[name] = ParamState(
-                s.step,
-                t(s.exp_avg) / prov.copies,
-                t(s.exp_avg_sq) / prov.copies**2,
-                _scaled(s.lr_mult, t, prov.beta),
-                _scaled(s.wd_mult, t, 1 / prov.beta),
-                _scaled(s.eps_mult, t, 1 / prov.copies),
-            )
+            new[name] = _mapped_copy(old[prov.source], prov, p, decays(name, p))
         else:
             new[name] = ParamState.fresh(p, decays(name, p))
     return new
 
 
+def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool) -> ParamState:
+    t = prov.transform
+    # Operators build S, β and masks on the CPU; the state lives with the parameter.
+    S, beta = (x.to(s.exp_avg.device) if isinstance(x, torch.Tensor) else x for x in (prov.copies, prov.beta))
+    f32 = lambda x: x.to(torch.float32) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    shape = tuple(p.shape)
+    step = t(s.step) if isinstance(s.step, torch.Tensor) else s.step
+    state = ParamState(
+        step,
+        f32(t(s.exp_avg) / S),
+        f32(t(s.exp_avg_sq) / S**2),
+        f32(_scaled(s.lr_mult, t, beta)),
+        f32(_scaled(s.wd_mult, t, 1 / beta)),
+        f32(_scaled(s.eps_mult, t, 1 / S)),
+        f32(_scaled(s.norm_mult, t, S * beta)),
+    )
+    if prov.fresh is not None and bool(prov.fresh.any()):
+        fresh = prov.fresh.to(state.exp_avg.device)
+        counts = step if isinstance(step, torch.Tensor) else torch.full(shape, step, dtype=torch.int32, device=fresh.device)
+        state = ParamState(
+            counts.masked_fill(fresh, 0),
+            state.exp_avg.masked_fill(fresh, 0.0),
+            state.exp_avg_sq.masked_fill(fresh, 0.0),
+            _blend(fresh, 1.0, state.lr_mult),
+            _blend(fresh, 1.0 if decay else 0.0, state.wd_mult),
+            _blend(fresh, 1.0, state.eps_mult),
+            _blend(fresh, 1.0, state.norm_mult),
+        )
+    # Tensor multipliers are kept shaped like the parameter, so later growth can transform them.
+    full = lambda x: x.expand(shape).clone() if isinstance(x, torch.Tensor) and tuple(x.shape) != shape else x  # noqa: E731
+    return ParamState(full(state.step), state.exp_avg, state.exp_avg_sq, *(full(x) for x in (state.lr_mult, state.wd_mult, state.eps_mult, state.norm_mult)))
+
+
 def _scaled(mult, transform, factor):
     """A multiplier (float, or tensor shaped like its parameter) carried through `transform` and scaled."""
     return transform(mult) * factor if isinstance(mult, torch.Tensor) else mult * factor
+
+
+def _blend(fresh: torch.Tensor, fresh_value: float, mapped):
+    """`mapped` with the fresh elements set to `fresh_value`; stays a float where that changes nothing."""
+    if not isinstance(mapped, torch.Tensor):
+        if mapped == fresh_value:
+            return mapped
+        mapped = torch.full(fresh.shape, mapped, dtype=torch.float32, device=fresh.device)
+    return mapped.expand(fresh.shape).masked_fill(fresh, fresh_value)
 
 
 def growth_seed(seed: int, stage_index: int, step_index: int) -> int:
@@ -90,46 +136,115 @@ class GrowthOutcome:
 
 
 def apply_growth(model, optimizer_state, steps, *, seed, stage_index, stage_name, planned: ModelConfig, probe, invariance_cfg) -> GrowthOutcome:
-    """Apply `steps` in order; each is checked, and the first failure raises GrowthCheckFailed."""
+    """Apply `steps` in order; each is checked, and so is the whole transition (first model vs last,
+    where several operators' approximations could add up); the first failure raises GrowthCheckFailed."""
     inputs_BT, targets_BT = probe
     records = []
+    start_model = model
+    chain = _Chain.identity(model)
+    after = start = run_probe(model, inputs_BT)
     for j, step in enumerate(steps):
         op = get_operator(step.op)
-        before = probe_logits(model, inputs_BT)
+        exact = op.is_exact(step.args)
+        before = after
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(growth_seed(seed, stage_index, j))
             growth = op.apply(model, step.args)
         new_model = growth.model
-        after = probe_logits(new_model, inputs_BT)
-        metrics = function_metrics(before, after, targets_BT)
+        after = run_probe(new_model, inputs_BT)
+        blocks = block_pairs(model, new_model, growth)
+        routers = router_pairs(model, new_model, growth, blocks)
+        metrics, problems = _function_report(before, after, targets_BT, blocks, growth.stream_view, routers, exact, invariance_cfg)
         planned_here = op.plan(model.config, step.args)
         with torch.device("meta"):
             planned_params = GrowLM(planned_here).num_parameters()
-        problems = structure_problems(model, new_model, growth.provenance, planned_params)
-        problems += function_problems(metrics, op.exact, invariance_cfg)
-        record = {
-            "stage": stage_name,
-            "stage_index": stage_index,
-            "index": j,
-            "operator": op.name,
-            "args": step.to_plain(),
-            "exact": op.exact,
-            "passed": not problems,
-            "metrics": metrics,
-            "params_before": model.num_parameters(),
-            "params_after": new_model.num_parameters(),
-            "planned_params": planned_params,
-            "provenance": _provenance_summary(growth.provenance),
-            "problems": problems,
-        }
+        structure = structure_problems(model, new_model, growth.provenance, planned_params)
+        new_state = None
+        if not structure:
+            try:
+                new_state = map_optimizer_state(optimizer_state, new_model, growth.provenance)
+            except Exception as exc:  # a broken provenance must stop the run with a report, not a traceback
+                structure.append(f"optimizer state could not be mapped: {type(exc).__name__}: {exc}")
+            else:
+                structure += optimizer_problems(new_model, new_state)
+        record = _record(stage_name, stage_index, j, op.name, step.to_plain(), exact, metrics, model, new_model, planned_params, structure + problems)
+        record["provenance"] = _provenance_summary(growth.provenance)
         records.append(record)
-        if problems:
+        if record["problems"]:
             raise GrowthCheckFailed(record)
-        optimizer_state = map_optimizer_state(optimizer_state, new_model, growth.provenance)
+        chain = chain.then(blocks, routers, growth.stream_view)
+        optimizer_state = new_state
         model = new_model
     if model.config != planned:  # the recipe's plan and the operators' results disagree: a bug, never train on
         raise RuntimeError(f"stage {stage_name}: grown shape {model.config} differs from the planned {planned}")
+    if len(steps) > 1:
+        exact = all(get_operator(s.op).is_exact(s.args) for s in steps)
+        metrics, problems = _function_report(start, after, targets_BT, chain.blocks, chain.view, chain.routers, exact, invariance_cfg)
+        with torch.device("meta"):
+            planned_params = GrowLM(planned).num_parameters()
+        args = {"ops": [s.op for s in steps]}
+        record = _record(stage_name, stage_index, len(steps), "transition", args, exact, metrics, start_model, model, planned_params, problems)
+        records.append(record)
+        if problems:
+            raise GrowthCheckFailed(record)
     return GrowthOutcome(model, optimizer_state, records)
+
+
+def _function_report(before, after, targets_BT, blocks, view, routers, exact, cfg) -> tuple[dict, list[str]]:
+    metrics = function_metrics(before.logits_BTV, after.logits_BTV, targets_BT)
+    drift = block_drift(before, after, blocks, view)
+    kl, kl_per_token = router_kl(before, after, routers)
+    problems = function_problems(metrics, exact, cfg, drift) + router_problems(kl, exact, cfg)
+    if kl:
+        metrics["max_router_kl"] = max(kl.values())
+    metrics.update(router_kl=kl, router_kl_per_token=kl_per_token, block_rel_l2=drift)
+    return metrics, problems
+
+
+def _record(stage_name, stage_index, index, operator, args, exact, metrics, old_model, new_model, planned_params, problems) -> dict:
+    return {
+        "stage": stage_name,
+        "stage_index": stage_index,
+        "index": index,
+        "operator": operator,
+        "args": args,
+        "exact": exact,
+        "passed": not problems,
+        "metrics": metrics,
+        "params_before": old_model.num_parameters(),
+        "params_after": new_model.num_parameters(),
+        "planned_params": planned_params,
+        "problems": problems,
+    }
+
+
+@dataclass
+class _Chain:
+    """The correspondence between the current model and the stage's first one, composed operator by
+    operator: block -> first block, MoE block -> (first block, parent expert of each expert), and
+    the current streams viewed at the first width."""
+
+    blocks: dict[int, int]
+    routers: dict[int, tuple[int, torch.Tensor | None]]
+    view: object
+
+    @classmethod
+    def identity(cls, model) -> "_Chain":
+        moe = {i: (i, None) for i, b in enumerate(model.blocks) if b.is_moe}
+        return cls({i: i for i in range(len(model.blocks))}, moe, lambda x: x)
+
+    def then(self, blocks: dict[int, int], routers: dict, view) -> "_Chain":
+        composed = {}
+        for new, (old, parent) in routers.items():
+            if old in self.routers:
+                first, earlier = self.routers[old]
+                composed[new] = (first, parent if earlier is None else (earlier if parent is None else earlier[parent]))
+        outer = self.view
+        return _Chain(
+            {new: self.blocks[old] for new, old in blocks.items() if old in self.blocks},
+            composed,
+            outer if view is None else (lambda x: outer(view(x))),
+        )
 
 
 def _provenance_summary(provenance: dict[str, Provenance]) -> dict[str, int]:

@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+
+# Without CUDA the Triton kernels run in the interpreter, which must be on before anything imports
+# triton (bitsandbytes does, at start-up): set it here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,19 @@ from typing import Literal
 
 
 @dataclass(frozen=True)
+class ExpertLoRAConfig:
+    """LoRA pair trained on each routed expert's NF4 matrices (field names as in peft's LoraConfig)."""
+
+    r: int = field(default=16, metadata={"doc": "LoRA rank per expert and matrix.", "ge": 1})
+    lora_alpha: float = field(default=16.0, metadata={"doc": "LoRA alpha: the update is scaled by lora_alpha / r.", "gt": 0.0})
+    use_rslora: bool = field(default=False, metadata={"doc": "rsLoRA: scale by lora_alpha / sqrt(r) instead."})
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """One routed-expert FFN layer (DESIGN.md §4)."""
 
@@ -34,6 +47,21 @@ class MoEConfig:
     expert_backend: str = field(
         default="reference", metadata={"doc": "Expert compute backend (a registry name, e.g. 'reference')."}
     )
+    expert_format: Literal["full", "nf4"] = field(
+        default="full",
+        metadata={
+            "doc": "full: trainable full-precision experts; nf4: frozen bitsandbytes NF4 bases (blocksize 64) "
+            "plus a trainable LoRA pair per expert and matrix (set by the quantize_experts operator)."
+        },
+    )
+    double_quant: bool = field(
+        default=True, metadata={"doc": "nf4 only: quantize the absmax too (8-bit, nested blocks of 256): ~0.516 instead of 0.5625 byte per weight."}
+    )
+    lora: ExpertLoRAConfig = field(default_factory=ExpertLoRAConfig, metadata={"doc": "nf4 only: the experts' LoRA pairs."})
+
+    def __post_init__(self):
+        if isinstance(self.lora, dict):  # from a checkpoint's plain-dict model_config
+            object.__setattr__(self, "lora", ExpertLoRAConfig(**self.lora))
 
 
 @dataclass(frozen=True)

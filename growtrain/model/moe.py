@@ -2,6 +2,12 @@
 renormalized gates, dropless sort-based dispatch to a pluggable expert backend, weighted combine,
 optional shared expert. Aux losses and routing statistics are returned, never stored.
 
+Experts come in two formats (MoEConfig.expert_format): `Experts` (full precision, trainable) and
+`NF4Experts` (growtrain/model/nf4.py: frozen NF4 bases plus per-expert LoRA). The MoE layer calls
+its experts module on the expert-sorted rows; the module calls the backend of its format from the
+registry: full-precision backends take the three stacked matrices, NF4 backends one
+`NF4LoRAExperts` weights object (a fused NF4 kernel plugs in there under a new name).
+
 Legend: T tokens (batch and sequence flattened), D d_model, E experts, K top-k, S = T*K token-slots,
 F expert hidden width, E1 = E + 1 offsets.
 """
@@ -15,24 +21,46 @@ from typing import Callable
 import torch
 from torch import nn
 
+from growtrain.kernels.backend import triton_expert_backend, triton_nf4_expert_backend
+from growtrain.kernels.nf4_reference import NF4LoRAExperts, grouped_swiglu_nf4_lora_reference
 from growtrain.kernels.reference import grouped_swiglu_reference
 from growtrain.model.config import ModelConfig, MoEConfig
 from growtrain.model.layers import SwiGLU, compute_dtype, out_proj_std
+from growtrain.model.nf4 import NF4Experts
 
 ExpertBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+NF4ExpertBackend = Callable[[torch.Tensor, torch.Tensor, NF4LoRAExperts], torch.Tensor]
 
 # Signature: (x_sorted_ND, offsets_E1 int64, w_gate_EFD, w_up_EFD, w_down_EDF) -> y_sorted_ND.
+# "triton" imports Triton on first use; where it cannot run (not installed, CPU without
+# TRITON_INTERPRET=1) it logs why on the `growtrain.kernels` logger and runs the reference.
 EXPERT_BACKENDS: dict[str, ExpertBackend] = {
     "reference": grouped_swiglu_reference,
+    "triton": triton_expert_backend,
+}
+
+# Signature: (x_sorted_ND, offsets_E1 int64, NF4LoRAExperts) -> y_sorted_ND.
+NF4_EXPERT_BACKENDS: dict[str, NF4ExpertBackend] = {
+    "reference": grouped_swiglu_nf4_lora_reference,
+    "triton": triton_nf4_expert_backend,
 }
 
 
-def get_expert_backend(name: str) -> ExpertBackend:
+def expert_backends(expert_format: str = "full") -> dict:
+    """The backend registry of an expert format ('full' or 'nf4')."""
+    if expert_format not in ("full", "nf4"):
+        raise ValueError(f"unknown expert format {expert_format!r}; valid: full, nf4")
+    return NF4_EXPERT_BACKENDS if expert_format == "nf4" else EXPERT_BACKENDS
+
+
+def get_expert_backend(name: str, expert_format: str = "full"):
+    registry = expert_backends(expert_format)
     try:
-        return EXPERT_BACKENDS[name]
+        return registry[name]
     except KeyError:
-        valid = ", ".join(sorted(EXPERT_BACKENDS))
-        raise ValueError(f"unknown expert backend {name!r}; valid names: {valid}") from None
+        valid = ", ".join(sorted(registry))
+        what = "" if expert_format == "full" else f"{expert_format} "
+        raise ValueError(f"unknown {what}expert backend {name!r}; valid names: {valid}") from None
 
 
 def _autocast_off(device_type: str):
@@ -89,6 +117,11 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_up, mean=0.0, std=self.init_std)
         nn.init.normal_(self.w_down, mean=0.0, std=self.out_std)
 
+    def forward(self, x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, backend: str = "reference") -> torch.Tensor:
+        # Reading the parameters here (not in the MoE layer) lets wrappers that re-parametrize them
+        # (peft's target_parameters LoRA) take effect.
+        return get_expert_backend(backend, "full")(x_sorted_ND, offsets_E1, self.w_gate, self.w_up, self.w_down)
+
 
 class MoE(nn.Module):
     is_moe = True  # read by FFNBranch to decide whether the FFN returns stats
@@ -102,12 +135,17 @@ class MoE(nn.Module):
             raise ValueError(f"moe.top_k must be in 1..num_experts={moe.num_experts}, got {moe.top_k}")
         if moe.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"moe.score_func must be 'softmax' or 'sigmoid', got {moe.score_func!r}")
-        get_expert_backend(moe.expert_backend)  # fail at build time, not at the first step
+        get_expert_backend(moe.expert_backend, moe.expert_format)  # fail at build time, not at the first step
         self.config: MoEConfig = moe
         self.expert_backend = moe.expert_backend
         out_std = out_proj_std(config)
         self.router = Router(config.d_model, moe.num_experts, moe.router_init_std)
-        self.experts = Experts(moe.num_experts, config.d_model, moe.expert_hidden, config.init_std, out_std)
+        if moe.expert_format == "nf4":
+            self.experts: nn.Module = NF4Experts(
+                moe.num_experts, config.d_model, moe.expert_hidden, moe.lora, moe.double_quant, config.init_std, out_std
+            )
+        else:
+            self.experts = Experts(moe.num_experts, config.d_model, moe.expert_hidden, config.init_std, out_std)
         self.shared = (
             SwiGLU(config.d_model, moe.shared_expert_hidden, config.init_std, out_std)
             if moe.shared_expert_hidden > 0
@@ -154,9 +192,7 @@ class MoE(nn.Module):
         # Expand-then-gather (not x_TD[order // K]): its backward is a plain sum over K plus a
         # permutation, with no accumulating scatter, so gradients are bitwise reproducible.
         x_SD = x_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
-        backend = get_expert_backend(self.expert_backend)
-        e = self.experts
-        y_sorted_SD = backend(x_SD[order_S], offsets_E1, e.w_gate, e.w_up, e.w_down)
+        y_sorted_SD = self.experts(x_SD[order_S], offsets_E1, self.expert_backend)
         inverse_S = torch.empty_like(order_S)
         inverse_S[order_S] = torch.arange(order_S.numel(), device=x.device)
         y_TKD = y_sorted_SD[inverse_S].view(T, K, -1)

@@ -1,3 +1,4 @@
-"""Growth operators; importing this package registers them."""
+"""Growth operators; importing this package registers them (in this order in `growtrain schema`)."""
 
-from growtrain.stages.operators import deepen, upcycle  # noqa: F401
+from growtrain.stages.operators import deepen, widen, widen_ffn, heads, upcycle, experts  # noqa: F401, I001
+from growtrain.stages.operators import quantize  # noqa: F401  (NF4 experts: quantize_experts, merge_adapters)

@@ -82,7 +82,8 @@ def apply(model, args: DeepenArgs) -> Growth:
             new[name] = torch.zeros_like(new[name])
         if neighbour in params:
             provenance[name] = Provenance("new", neighbour if args.init == "copy" else None)
-    return Growth(materialize(new_cfg, new), provenance)
+    # Carried blocks compute what they did; the inserted identity blocks have no counterpart.
+    return Growth(materialize(new_cfg, new), provenance, blocks=new_to_old)
 
 
 register(Operator("deepen", True, "Insert identity blocks (zero output projections) after given blocks.", DeepenArgs, plan, apply))

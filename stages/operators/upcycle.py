@@ -3,6 +3,11 @@
 Exact: with gates renormalized over the selected experts they sum to 1, and every expert computes
 the same function, so the layer's output is the dense FFN's whatever the (fresh, small) router
 chooses. Each expert weight is a copy (β = 1) of the dense weight, S = E copies: moments m/E, v/E².
+
+drop_ratio > 0 (Drop-Upcycling, Nakamura et al. 2025): every expert redraws that fraction of its
+neurons (gate/up rows and down columns from N(mean, std) of the dense matrix), so the experts start
+diverse; the operator is then approximate. Redrawn elements start with fresh optimizer state and
+their own step count; a kept element's S is the number of experts that kept it.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
+import torch
+
 from growtrain.model.config import ModelConfig, MoEConfig
-from growtrain.stages.common import fresh_state, materialize
+from growtrain.stages.common import along_hidden, fresh_state, materialize, pick_neurons, redraw_neurons, sibling_copies
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -27,6 +34,10 @@ class UpcycleArgs:
     balance_bias_rate: float = field(default=0.0, metadata={"doc": "Loss-free balancing bias rate; 0: off.", "ge": 0.0})
     router_init_std: float = field(default=0.02, metadata={"doc": "Std of the fresh router.", "gt": 0.0})
     expert_backend: str = field(default="reference", metadata={"doc": "Expert compute backend."})
+    drop_ratio: float = field(
+        default=0.0,
+        metadata={"doc": "Drop-upcycling: fraction of each expert's neurons redrawn; > 0 makes the operator approximate.", "ge": 0.0, "le": 1.0},
+    )
 
 
 def _targets(cfg: ModelConfig, args: UpcycleArgs) -> list[int]:
@@ -69,6 +80,7 @@ def apply(model, args: UpcycleArgs) -> Growth:
     params = {n for n, _ in model.named_parameters()}
     targets = set(_targets(old_cfg, args))
     E = args.num_experts
+    redraw = {b: pick_neurons(E, old_cfg.ffn_hidden, args.drop_ratio) for b in sorted(targets)} if args.drop_ratio > 0 else {}
     for name in list(new):
         parts = name.split(".")
         block = int(parts[1]) if parts[0] == "blocks" else None
@@ -81,7 +93,13 @@ def apply(model, args: UpcycleArgs) -> Growth:
             source = f"blocks.{block}.g.ffn.{matrix}.weight"
             expand = lambda t, E=E: t.unsqueeze(0).expand(E, *t.shape).clone()  # noqa: E731
             new[name] = expand(old[source])
-            provenance[name] = Provenance("copy", source, expand, copies=E, beta=1.0)
+            if block not in redraw:
+                provenance[name] = Provenance("copy", source, expand, copies=E, beta=1.0)
+                continue
+            hidden_dim = 2 if matrix == "w_down" else 1
+            new[name], fresh = redraw_neurons(new[name], redraw[block], hidden_dim)
+            copies = sibling_copies(~redraw[block], torch.zeros(E, dtype=torch.long), 1)
+            provenance[name] = Provenance("copy", source, expand, copies=along_hidden(copies, new[name].shape, hidden_dim), fresh=fresh)
             continue
         new[name] = old[name]
         if name in params:
@@ -89,4 +107,15 @@ def apply(model, args: UpcycleArgs) -> Growth:
     return Growth(materialize(new_cfg, new), provenance)
 
 
-register(Operator("upcycle_moe", True, "Dense FFN → MoE whose experts are exact copies (renormalized gates sum to 1).", UpcycleArgs, plan, apply))
+register(
+    Operator(
+        "upcycle_moe",
+        True,
+        "Dense FFN → MoE whose experts are exact copies (renormalized gates sum to 1); moments m/E, v/E². "
+        "With drop_ratio > 0 (drop-upcycling) approximate.",
+        UpcycleArgs,
+        plan,
+        apply,
+        exact_if=lambda args: args.drop_ratio == 0,
+    )
+)

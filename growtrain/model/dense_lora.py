@@ -1,0 +1,92 @@
+"""peft LoRA on the dense Linear layers (attention projections by default), through peft itself
+(`peft.inject_adapter_in_model`): the base weights are frozen, and the adapters train.
+
+peft renames what it wraps (`f.attn.wq.weight` becomes `f.attn.wq.base_layer.weight`, next to
+`f.attn.wq.lora_A.default.weight` and `...lora_B.default.weight`), so a wrapped model is the last
+form of a model: growth operators refuse it (`refuse_peft_wrapped`), and the experts' own LoRA
+(growtrain/model/nf4.py) is separate from it. Export: growtrain/export.py.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from growtrain.kernels.nf4_reference import _silence_bitsandbytes_start_up
+
+
+def import_peft():
+    """peft, imported with two start-up hazards defused. transformers (which peft imports) probes
+    for the optional PyPI package `kernels` by importing it; run from the repository root, that
+    finds the project's kernels/ folder, whose guard refuses to be imported under that name, and
+    the probe's ModuleNotFoundError breaks `import peft`. Without the real package installed,
+    `kernels` is marked absent first (a None entry in sys.modules: `import kernels` then fails
+    as it would anyway, and find_spec says 'not installed'). And bitsandbytes' CPU start-up warning
+    about that same optional package is silenced."""
+    _silence_bitsandbytes_start_up()
+    if "kernels" not in sys.modules:
+        try:
+            importlib.metadata.distribution("kernels")
+        except importlib.metadata.PackageNotFoundError:
+            sys.modules["kernels"] = None
+    import peft
+
+    return peft
+
+
+@dataclass(frozen=True)
+class DenseLoRAConfig:
+    """peft LoRA on dense Linear layers (field names as in peft's LoraConfig)."""
+
+    r: int = field(default=16, metadata={"doc": "LoRA rank.", "ge": 1})
+    lora_alpha: float = field(default=16.0, metadata={"doc": "LoRA alpha (scale lora_alpha / r).", "gt": 0.0})
+    use_rslora: bool = field(default=False, metadata={"doc": "rsLoRA: scale lora_alpha / sqrt(r)."})
+    target_modules: tuple[str, ...] = field(
+        default=("wq", "wk", "wv", "wo"), metadata={"doc": "Names of the nn.Linear modules to adapt (peft suffix match)."}
+    )
+
+    def peft_config(self):
+        return import_peft().LoraConfig(
+            r=self.r,
+            lora_alpha=self.lora_alpha,
+            use_rslora=self.use_rslora,
+            target_modules=list(self.target_modules),
+            lora_dropout=0.0,  # the reversible backward recomputes F: dropout would draw a different mask
+            bias="none",
+        )
+
+
+def apply_dense_lora(model: nn.Module, cfg: DenseLoRAConfig, adapter_name: str = "default") -> nn.Module:
+    """Wrap `model`'s target Linear layers with peft LoRA in place and freeze their base weights
+    (only the wrapped layers: everything else keeps training). Returns the model."""
+    if is_peft_wrapped(model):
+        raise ValueError("the model already holds peft adapters")
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    wrapped = import_peft().inject_adapter_in_model(cfg.peft_config(), model, adapter_name=adapter_name)
+    # peft marks only adapters trainable; here only the wrapped layers' bases freeze, and the other
+    # dense parts (embeddings, norms, routers, LM head) and the experts keep training as before.
+    frozen = {id(p) for m in wrapped.modules() if _is_peft_layer(m) for p in m.get_base_layer().parameters()}
+    for name, p in wrapped.named_parameters():
+        is_adapter = ".lora_A." in name or ".lora_B." in name
+        p.requires_grad_(is_adapter or (id(p) in trainable and id(p) not in frozen))
+    return wrapped
+
+
+def _is_peft_layer(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("peft.") and hasattr(module, "get_base_layer")
+
+
+def is_peft_wrapped(model: nn.Module) -> bool:
+    return any(_is_peft_layer(m) for m in model.modules())
+
+
+def refuse_peft_wrapped(model: nn.Module, operator: str) -> None:
+    """Growth operators map parameters by growtrain's names; peft's renamed ones would be lost."""
+    if is_peft_wrapped(model):
+        raise ValueError(
+            f"{operator}: the model holds peft adapters on its dense layers (parameters renamed to base_layer / "
+            "lora_A.default ...); growth operators do not apply to a peft-wrapped model: grow first, add peft LoRA last"
+        )

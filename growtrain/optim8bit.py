@@ -1,0 +1,219 @@
+"""8-bit Adam moments for the dense parts (`optimizer.dense_state_bits: 8`): growtrain's name-keyed
+AdamW (growtrain/optim.py), with each selected parameter's two moments stored blockwise-quantized
+as bitsandbytes' 8-bit optimizers store them: blocks of 256, one float32 absmax per block, the
+signed dynamic map for exp_avg and the unsigned one for exp_avg_sq. About 2.03 bytes per parameter
+instead of 8.
+
+Which parameters: every trainable tensor of at least 4096 elements (bitsandbytes' min_8bit_size;
+smaller ones gain nothing), except the routed experts' LoRA adapters (the state the NF4 regime
+keeps in 32 bits), the router weights (top-k decisions are sensitive to their updates) and the
+token embeddings, as bitsandbytes' StableEmbedding does (it registers a 32-bit state override
+for its weight; arXiv 2110.02861 §2.3): their gradient is row-sparse, and a rare token's second
+moment, 8-bit in a block shared with frequent tokens, can round to zero under a nonzero first
+moment, which makes its step m / eps.
+
+The update is AdamW's own (growtrain.optim.AdamW.step, unchanged): per parameter the moments are
+dequantized, stepped in float32 and requantized, so only one parameter's float32 moments exist at
+a time. Everything outside the optimizer sees float32 `ParamState`s: `state` is a read-only
+mapping that dequantizes on access, so growth (transition.map_optimizer_state) maps moments as it
+does for 32-bit state, and a state handed back unchanged (a carried parameter) keeps its codes
+without a requantization round trip. Checkpoints hold the codes and absmax as tensors (loadable
+with torch.load(weights_only=True)), so a resume continues bit for bit.
+
+Legend: N elements of a parameter, B = ceil(N / 256) blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from growtrain.kernels.nf4_reference import bitsandbytes_functional
+from growtrain.optim import AdamW, ParamState
+
+BLOCKSIZE = 256  # bitsandbytes' blockwise optimizer state
+MIN_8BIT_NUMEL = 4096
+
+
+EXCLUDED_SUFFIXES = ("router.weight", "embed.weight")
+
+
+def uses_8bit_state(name: str, p: torch.Tensor) -> bool:
+    """Dense parts with enough elements; never the experts' adapters, the routers or the embeddings."""
+    is_adapter = ".ffn.experts." in name and "_lora_" in name
+    return p.numel() >= MIN_8BIT_NUMEL and not is_adapter and not name.endswith(EXCLUDED_SUFFIXES)
+
+
+_MAPS: dict[tuple[bool, str], torch.Tensor] = {}
+
+
+def dynamic_map(signed: bool, device: torch.device) -> torch.Tensor:
+    key = (signed, str(device))
+    if key not in _MAPS:
+        _MAPS[key] = bitsandbytes_functional().create_dynamic_map(signed=signed).to(device)
+    return _MAPS[key]
+
+
+@dataclass
+class Moment8bit:
+    """One moment tensor stored as 8-bit codes (shaped like the parameter) and per-block absmax."""
+
+    codes: torch.Tensor  # uint8, shaped like the parameter
+    absmax_B: torch.Tensor  # float32
+    signed: bool
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor, signed: bool) -> Moment8bit:
+        if x.is_meta:  # planning on the meta device: shapes only
+            return cls(torch.empty(x.shape, dtype=torch.uint8, device="meta"), torch.empty(math.ceil(x.numel() / BLOCKSIZE), device="meta"), signed)
+        bnbf = bitsandbytes_functional()
+        codes, qs = bnbf.quantize_blockwise(x.detach().float().contiguous(), code=dynamic_map(signed, x.device), blocksize=BLOCKSIZE)
+        return cls(codes, qs.absmax.float(), signed)
+
+    def dequantize(self) -> torch.Tensor:
+        bnbf = bitsandbytes_functional()
+        out = bnbf.dequantize_blockwise(self.codes, absmax=self.absmax_B, code=dynamic_map(self.signed, self.codes.device), blocksize=BLOCKSIZE)
+        return out.float()
+
+
+class _Float32View(Mapping):
+    """name -> float32 ParamState, dequantized on access (the optimizer's `state` for outsiders)."""
+
+    def __init__(self, opt: AdamW8bit):
+        self._opt = opt
+
+    def __getitem__(self, name: str) -> ParamState:
+        return self._opt._logical(name)
+
+    def __iter__(self):
+        return iter(self._opt._packed)
+
+    def __len__(self) -> int:
+        return len(self._opt._packed)
+
+
+class AdamW8bit(AdamW):
+    """AdamW with 8-bit moments on the dense parts; built by `AdamW(...)` when the config asks for
+    `dense_state_bits: 8` (the hook in growtrain/optim.py)."""
+
+    def __init__(self, named_params: dict[str, nn.Parameter], cfg):
+        self._packed: dict[str, ParamState] = {}
+        self._handed_out: dict[int, tuple[weakref.ref, ParamState]] = {}  # id(float32 view) -> (view, packed)
+        self._view: dict[str, ParamState] | None = None
+        super().__init__(named_params, cfg)
+
+    # -- state as the rest of growtrain sees it (float32) ----------------------------------------
+
+    @property
+    def state(self):
+        return self._view if self._view is not None else _Float32View(self)
+
+    @state.setter
+    def state(self, value) -> None:
+        handed, self._handed_out = self._handed_out, {}
+        packed = {}
+        for name, s in value.items():
+            kept = handed.get(id(s))
+            packed[name] = kept[1] if kept is not None and kept[0]() is s else self._pack(name, s)
+        self._packed = packed
+
+    def _is_8bit(self, name: str) -> bool:
+        p = self.params.get(name)
+        return p is not None and uses_8bit_state(name, p)
+
+    def _pack(self, name: str, s: ParamState) -> ParamState:
+        if not self._is_8bit(name) or isinstance(s.exp_avg, Moment8bit):
+            return s
+        return replace(s, exp_avg=Moment8bit.quantize(s.exp_avg, True), exp_avg_sq=Moment8bit.quantize(s.exp_avg_sq, False))
+
+    def _logical(self, name: str) -> ParamState:
+        s = self._packed[name]
+        if not isinstance(s.exp_avg, Moment8bit):
+            return s
+        out = replace(s, exp_avg=s.exp_avg.dequantize(), exp_avg_sq=s.exp_avg_sq.dequantize())
+        key, handed = id(out), self._handed_out
+        handed[key] = (weakref.ref(out, lambda _: handed.pop(key, None)), s)
+        return out
+
+    # -- the update ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        params = self.params
+        try:
+            for name, p in params.items():
+                if p.grad is None:
+                    continue
+                packed = self._packed[name]
+                if not isinstance(packed.exp_avg, Moment8bit):
+                    logical = packed
+                else:
+                    logical = replace(packed, exp_avg=packed.exp_avg.dequantize(), exp_avg_sq=packed.exp_avg_sq.dequantize())
+                # AdamW's own step over this one parameter (so the update rule is defined once).
+                self.params, self._view = {name: p}, {name: logical}
+                AdamW.step(self, lr)
+                if logical is not packed:
+                    self._packed[name] = replace(
+                        logical, exp_avg=Moment8bit.quantize(logical.exp_avg, True), exp_avg_sq=Moment8bit.quantize(logical.exp_avg_sq, False)
+                    )
+        finally:
+            self.params, self._view = params, None
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # The multipliers are the same objects in the packed states: no dequantization needed.
+        self._view = self._packed
+        try:
+            return AdamW.clip_grad_norm(self, max_norm)
+        finally:
+            self._view = None
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        out = {}
+        for name, s in self._packed.items():
+            entry = {f.name: getattr(s, f.name) for f in fields(s)}
+            if isinstance(s.exp_avg, Moment8bit):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    m = entry.pop(key)
+                    entry[f"{key}_codes"], entry[f"{key}_absmax"] = m.codes, m.absmax_B
+            out[name] = entry
+        return out
+
+    def load_state_dict(self, d: dict) -> None:
+        states = {}
+        for name, entry in d.items():
+            entry = dict(entry)
+            if "exp_avg_codes" in entry:
+                # Rebuilt from the stored codes: no requantization, so a resume is bit-exact.
+                for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+                    entry[key] = Moment8bit(entry.pop(f"{key}_codes"), entry.pop(f"{key}_absmax"), signed)
+            states[name] = ParamState(**entry)
+        missing = sorted(set(self.params) - set(states))
+        stray = sorted(set(states) - set(self.params))
+        if missing or stray:
+            raise ValueError(f"optimizer state does not match the model: missing {missing[:5]}, stray {stray[:5]}")
+        for n, p in self.params.items():
+            if tuple(states[n].exp_avg.shape) != tuple(p.shape):
+                raise ValueError(f"optimizer state of {n} has shape {tuple(states[n].exp_avg.shape)}, parameter {tuple(p.shape)}")
+        self._handed_out = {}
+        self._packed = {n: self._pack(n, s) for n, s in states.items()}
+
+
+def state_bytes(opt: AdamW) -> int:
+    """Bytes of every tensor the optimizer stores (moments, absmax, tensor multipliers, steps)."""
+    total = 0
+    for entry in opt.state_dict().values():
+        for v in entry.values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total

@@ -1,0 +1,217 @@
+"""split_experts and clone_experts: more routed experts per MoE layer.
+
+Children are laid out round-robin: child j of parent e is expert j·E + e, so the siblings of one
+parent land in different contiguous slices of the expert dimension (different expert-parallel
+ranks when experts are sharded in contiguous blocks), spreading a parent's load.
+
+split_experts (E → fE, top_k → f·top_k, expert_hidden → expert_hidden / f): child j of expert e
+holds neurons [j·F/f, (j+1)·F/f) of e, with its down-projection ×f; its router row is e's row and
+its balance bias e's bias (÷f under softmax, where its score is p/f; the bias rate likewise, so the
+bias keeps evolving as e's would have). The f children of a selected parent all tie with it, so top-(f·k)
+selects exactly the children of the old top-k parents (unless the k-th and (k+1)-th old logits
+tie); with renormalized gates each child receives gate/f: softmax, each child's score is p/f of a
+total that sums over f copies; sigmoid, each child's score is the parent's and the renormalizing
+sum counts it f times. So Σ_children (g/f)·f·W_down,j h_j = g·W_down h: exact. The Switch balance
+loss is unchanged too (E·Σ f_e P_e: f-fold more experts with loads and probabilities divided by f);
+the z-loss is not (the logsumexp grows by log f). Optimizer state: gate/up slices are the old
+elements (β = 1, S = 1), down-projection slices β = f, S = f, router rows β = 1, S = f. Experts'
+steps are then exactly the old steps; the router rows' are not: siblings get unequal shares of
+their parent's gradient (the shares sum to it), so after the first step they drift apart.
+
+clone_experts (E → mE, top_k fixed; approximate): every child starts as its parent's copy; all
+children but the first redraw a fraction of their neurons (drop-upcycling: gate/up rows and down
+columns drawn with the parent matrix's mean and std), and their router rows get small noise, so
+that clones specialise instead of staying identical. Softmax needs no −log m logit shift: a
+parent's probability is already shared by its m children (each gets p/m) and renormalized gates
+do not see the total; sigmoid scores renormalized over the selection and over the experts (the
+router KL and the balance loss read them so) are kept without a shift, and a −log m shift would
+change the gate ratios between different parents. With top_k fixed a token's k picks may now be
+siblings of fewer parents: the function changes, and the checks measure by how much. Optimizer
+state: experts and router rows β = 1, S = m (the siblings share the parent's moments); redrawn
+neurons start fresh with their own step count.
+
+Legend: E experts, F expert hidden width, D d_model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from growtrain.model.config import ModelConfig
+from growtrain.stages.common import along_hidden, materialize, pick_neurons, redraw_neurons, require_full_experts, sibling_copies
+from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
+
+
+@dataclass(frozen=True)
+class SplitExpertsArgs:
+    factor: int = field(default=2, metadata={"doc": "f: every expert's neurons are cut into f children; num_experts and top_k grow f-fold.", "ge": 2})
+
+
+@dataclass(frozen=True)
+class CloneExpertsArgs:
+    factor: int = field(default=2, metadata={"doc": "m: every expert gets m − 1 clones; top_k stays.", "ge": 2})
+    reinit_fraction: float = field(
+        default=0.25,
+        metadata={"doc": "Fraction of each clone's neurons redrawn (drop-upcycling); the first child stays an exact copy.", "ge": 0.0, "le": 1.0},
+    )
+    router_noise: float = field(
+        default=0.01, metadata={"doc": "Std of the noise on the clones' router rows, relative to the router weights' RMS.", "ge": 0.0}
+    )
+
+
+# ---------------------------------------------------------------- shared helpers
+
+
+def moe_blocks(cfg: ModelConfig) -> list[int]:
+    return sorted(cfg.moe_layers) if cfg.moe is not None else []
+
+
+def expert_param(name: str, cfg: ModelConfig) -> tuple[int, str] | None:
+    """(block, what) for a routed-expert weight, router weight or balance bias; None otherwise."""
+    parts = name.split(".")
+    if parts[0] != "blocks" or not cfg.is_moe_layer(int(parts[1])) or parts[2:4] != ["g", "ffn"]:
+        return None
+    if parts[4] == "experts":
+        return int(parts[1]), parts[5]
+    if parts[4] == "router":
+        return int(parts[1]), "router." + parts[5]
+    return None
+
+
+# ---------------------------------------------------------------- split_experts
+
+
+def plan_split(cfg: ModelConfig, args: SplitExpertsArgs) -> ModelConfig:
+    if cfg.moe is None or not cfg.moe_layers:
+        raise GrowthPlanError("split_experts: the model has no MoE layer to split (upcycle_moe first)")
+    require_full_experts(cfg, "split_experts")
+    f, moe = args.factor, cfg.moe
+    if moe.expert_hidden % f:
+        raise GrowthPlanError(f"split_experts: expert_hidden {moe.expert_hidden} is not divisible by the factor {f}")
+    return cfg.with_changes(
+        moe=replace(
+            moe,
+            num_experts=moe.num_experts * f,
+            top_k=moe.top_k * f,
+            expert_hidden=moe.expert_hidden // f,
+            balance_bias_rate=_bias_scale(moe, f) * moe.balance_bias_rate,
+        )
+    )
+
+
+def _bias_scale(moe, children: int) -> float:
+    """Softmax children score p/children, so the selection bias (and its rate) shrinks with them to
+    keep every comparison, and the bias's evolution, as before; sigmoid children keep the score."""
+    return 1.0 / children if moe.score_func == "softmax" else 1.0
+
+
+def _split_transform(what: str, f: int):
+    if what in ("w_gate", "w_up"):  # [E, F, D] -> [f·E, F/f, D], child j·E + e = slice j of e
+        return lambda t: t.unflatten(1, (f, -1)).transpose(0, 1).flatten(0, 1)
+    if what == "w_down":  # [E, D, F] -> [f·E, D, F/f]
+        return lambda t: t.unflatten(2, (f, -1)).permute(2, 0, 1, 3).flatten(0, 1)
+    return lambda t: t.repeat((f,) + (1,) * (t.ndim - 1))  # router rows, balance bias
+
+
+def apply_split(model, args: SplitExpertsArgs) -> Growth:
+    old_cfg, f = model.config, args.factor
+    new_cfg = plan_split(old_cfg, args)
+    E = old_cfg.moe.num_experts
+    params = {n for n, _ in model.named_parameters()}
+    new, provenance = {}, {}
+    for name, w in model.state_dict().items():
+        where = expert_param(name, old_cfg)
+        if where is None:
+            new[name] = w
+            if name in params:
+                provenance[name] = Provenance("carried", name)
+            continue
+        what = where[1]
+        transform = _split_transform(what, f)
+        beta = float(f) if what == "w_down" else 1.0
+        new[name] = transform(w) * beta if beta != 1.0 else transform(w)
+        if what == "router.balance_bias":
+            new[name] = new[name] * _bias_scale(old_cfg.moe, f)
+        if name in params:
+            provenance[name] = Provenance("copy", name, transform, copies=1.0 if what in ("w_gate", "w_up") else float(f), beta=beta)
+    parent = torch.arange(f * E) % E
+    return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)})
+
+
+# ---------------------------------------------------------------- clone_experts
+
+
+def plan_clone(cfg: ModelConfig, args: CloneExpertsArgs) -> ModelConfig:
+    if cfg.moe is None or not cfg.moe_layers:
+        raise GrowthPlanError("clone_experts: the model has no MoE layer to clone (upcycle_moe first)")
+    require_full_experts(cfg, "clone_experts")
+    moe = cfg.moe
+    return cfg.with_changes(
+        moe=replace(moe, num_experts=moe.num_experts * args.factor, balance_bias_rate=_bias_scale(moe, args.factor) * moe.balance_bias_rate)
+    )
+
+
+def apply_clone(model, args: CloneExpertsArgs) -> Growth:
+    old_cfg, m = model.config, args.factor
+    new_cfg = plan_clone(old_cfg, args)
+    E, F = old_cfg.moe.num_experts, old_cfg.moe.expert_hidden
+    parent = torch.arange(m * E) % E
+    first = torch.arange(m * E) < E
+    params = {n for n, _ in model.named_parameters()}
+    tile = lambda t: t.repeat((m,) + (1,) * (t.ndim - 1))  # noqa: E731  (child j·E + e = e)
+    redraw = {b: pick_neurons(m * E, F, args.reinit_fraction, skip=first) for b in moe_blocks(old_cfg)}
+    new, provenance = {}, {}
+    for name, w in model.state_dict().items():
+        where = expert_param(name, old_cfg)
+        if where is None:
+            new[name] = w
+            if name in params:
+                provenance[name] = Provenance("carried", name)
+            continue
+        block, what = where
+        grown = tile(w)
+        if what.startswith("router."):
+            if what == "router.weight" and args.router_noise > 0:
+                rms = w.double().pow(2).mean().sqrt().item()
+                noise = torch.randn(grown.shape, dtype=torch.float64) * (args.router_noise * rms)
+                noise[:E] = 0  # the first child keeps its parent's logits exactly
+                grown = grown + noise.to(device=w.device, dtype=w.dtype)
+            if what == "router.balance_bias":
+                grown = grown * _bias_scale(old_cfg.moe, m)
+            new[name] = grown
+            if name in params:
+                provenance[name] = Provenance("copy", name, tile, copies=float(m), beta=1.0)
+            continue
+        hidden_dim = 1 if what in ("w_gate", "w_up") else 2
+        grown, fresh = redraw_neurons(grown, redraw[block], hidden_dim)
+        new[name] = grown
+        copies = along_hidden(sibling_copies(~redraw[block], parent, E), grown.shape, hidden_dim)
+        provenance[name] = Provenance("copy", name, tile, copies=copies, beta=1.0, fresh=fresh)
+    return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)})
+
+
+register(
+    Operator(
+        "split_experts",
+        True,
+        "E → f·E experts and top_k → f·top_k: each expert's neurons cut into f children, router rows duplicated, "
+        "down-projections ×f (each child gets gate/f); exact unless the k-th and (k+1)-th router logits tie. Expert parameters "
+        "unchanged (the router gains rows).",
+        SplitExpertsArgs,
+        plan_split,
+        apply_split,
+    )
+)
+register(
+    Operator(
+        "clone_experts",
+        False,
+        "E → m·E experts, top_k fixed: copies with partially redrawn neurons (drop-upcycling), router rows tiled with small noise, "
+        "siblings spread round-robin; approximate, checked against the recipe's thresholds. Parameters ×m in the experts.",
+        CloneExpertsArgs,
+        plan_clone,
+        apply_clone,
+    )
+)

@@ -1,0 +1,99 @@
+"""widen_hidden: d_model → k·d_model by duplicating every stream coordinate (DESIGN.md §7).
+
+The grown streams are k side-by-side copies of the old ones. Every weight is the old one tiled
+along each widened dimension; a weight that reads a duplicated input along its last dimension
+(attention q/k/v/out, FFN and expert gate/up, router, LM head) is also divided by k, so that the k
+copies of an input sum back to the old pre-activation. Heads are duplicated with head_dim fixed
+(query head c·H + h is old head h, and reads kv head c·K + h // (H/K), its old kv head's copy);
+norms' weights are tiled, and the RMS of a tiled vector equals the old RMS, so every norm, head,
+neuron and router logit computes what it did: exact.
+
+Null-space noise (optional): the k copies of an input-side weight get noise that sums to zero over
+the copies, so it cancels on the duplicated inputs (still exact) but makes the copies' gradients
+differ after the first step (symmetry breaking; then the dynamics are no longer the old model's).
+
+Optimizer state: every element is β·p of one old p, with β = 1/k on input-side weights (1
+elsewhere) and S = β·(number of copies): tiled output rows S = k, input-side halves S = 1, q/k/v/o
+(tiled both ways, /k) S = k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from growtrain.model.config import ModelConfig
+from growtrain.stages.common import materialize, require_full_experts
+from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
+
+_LOOKUPS = ("embed.weight",)  # last dim is d_model, but rows are looked up, not read from the stream
+
+
+@dataclass(frozen=True)
+class WidenHiddenArgs:
+    factor: int = field(default=2, metadata={"doc": "k: d_model and the number of (query and kv) heads grow k-fold; head_dim stays.", "ge": 2})
+    noise: float = field(
+        default=0.0,
+        metadata={
+            "doc": "Std of the null-space noise on input-side weights, relative to each weight's RMS; it cancels on the "
+            "duplicated stream (still exact) and breaks the copies' symmetry. 0: pure duplication (exact dynamics too).",
+            "ge": 0.0,
+        },
+    )
+
+
+def plan(cfg: ModelConfig, args: WidenHiddenArgs) -> ModelConfig:
+    k = args.factor
+    require_full_experts(cfg, "widen_hidden")
+    return cfg.with_changes(
+        d_model=cfg.d_model * k,
+        n_heads=cfg.n_heads * k,
+        n_kv_heads=cfg.n_kv_heads * k,  # 0 (= n_heads) stays 0
+        head_dim=cfg.head_dim,  # 0 (= d_model // n_heads) stays 0: the ratio is unchanged
+    )
+
+
+def apply(model, args: WidenHiddenArgs) -> Growth:
+    old_cfg, k = model.config, args.factor
+    new_cfg = plan(old_cfg, args)
+    params = {n for n, _ in model.named_parameters()}
+    new, provenance = {}, {}
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in type(model)(new_cfg).state_dict().items()}
+    for name, w in model.state_dict().items():
+        reps = [n // o for n, o in zip(shapes[name], w.shape)]
+        if [o * r for o, r in zip(w.shape, reps)] != list(shapes[name]):
+            raise GrowthPlanError(f"widen_hidden: cannot tile {name} {tuple(w.shape)} into {tuple(shapes[name])}")
+        input_side = w.ndim >= 2 and reps[-1] == k and name not in _LOOKUPS
+        beta = 1.0 / k if input_side else 1.0
+        tile = lambda t, reps=tuple(reps): t.repeat(reps)  # noqa: E731
+        grown = tile(w) * beta if beta != 1.0 else tile(w)
+        if input_side and args.noise > 0:
+            grown = grown + _null_space_noise(grown, k, args.noise * grown.pow(2).mean().sqrt().item())
+        new[name] = grown
+        if name in params:
+            copies = math.prod(reps)
+            provenance[name] = Provenance("copy", name, tile, copies=copies * beta, beta=beta)
+    return Growth(materialize(new_cfg, new), provenance, stream_view=lambda x, k=k: x.unflatten(-1, (k, -1)).mean(-2))
+
+
+def _null_space_noise(w: torch.Tensor, k: int, std: float) -> torch.Tensor:
+    """Noise over the k copies of the last dimension that sums to zero across the copies (drawn on
+    the CPU, as fresh_state does: the same draws whatever the device)."""
+    noise = torch.randn(w.shape, dtype=w.dtype).unflatten(-1, (k, -1)) * std
+    return (noise - noise.mean(-2, keepdim=True)).flatten(-2).to(w.device)
+
+
+register(
+    Operator(
+        "widen_hidden",
+        True,
+        "d_model → k·d_model: stream coordinates duplicated, input-side weights [W/k, …] (± null-space noise), heads "
+        "duplicated with head_dim fixed; optimizer moments m/S, v/S², LR ×β.",
+        WidenHiddenArgs,
+        plan,
+        apply,
+    )
+)

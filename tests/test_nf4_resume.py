@@ -1,0 +1,73 @@
+"""Resume equivalence with NF4 experts (DESIGN.md §9): the micro recipe plus a fourth stage that
+quantizes the experts (quantize_experts) and trains their LoRA; killed mid-stage after the
+quantization and resumed, the run repeats the uninterrupted run's losses and final weights (NF4
+codes and quantization state included) bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import signal
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import MICRO, cli_env, losses, run_cli
+
+
+pytestmark = pytest.mark.slow
+
+STEPS = 26
+FINAL = f"checkpoints/step-{STEPS:08d}/model.safetensors"
+
+
+def nf4_recipe() -> dict:
+    raw = copy.deepcopy(MICRO)
+    raw["name"] = "micro-nf4"
+    raw["stages"].append(
+        {
+            "name": "nf4",
+            "steps": 6,  # steps 21..26; checkpoints at 24 and 26
+            "seq_len": 32,
+            "batch_size": 4,
+            "grow": [{"op": "quantize_experts", "r": 4, "lora_alpha": 8.0}],
+            "schedule": {"warmup_steps": 1},
+        }
+    )
+    return raw
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nf4-reference")
+    recipe = root / "micro-nf4.yaml"
+    recipe.write_text(yaml.safe_dump(nf4_recipe(), sort_keys=False))
+    out = root / "run"
+    done = run_cli("run", recipe, "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert "quantize_experts (approximate)" in done.stdout and "passed" in done.stdout
+    return recipe, out
+
+
+# The last step of the NF4 stage: the resume loads the step-24 checkpoint (NF4 codes, quantization
+# state, LoRA moments). Killing right after quantize_experts (regrowing from step 20) takes the
+# same growth path as the uninterrupted run; test_resume.py covers that kind of kill.
+@pytest.mark.parametrize("fault", ["step_mid:26"])
+def test_a_killed_nf4_stage_resumes_to_the_uninterrupted_losses_and_weights(reference_run, tmp_path, fault):
+    recipe, reference = reference_run
+    out = tmp_path / "run"
+    killed = run_cli("run", recipe, "--out", out, env=cli_env(GROWTRAIN_FAULT=fault))
+    assert killed.returncode == -signal.SIGKILL, f"the fault {fault} did not fire: {killed.stdout[-500:]}"
+    resumed = run_cli("run", recipe, "--out", out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+
+    got, want = losses(out), losses(reference)
+    assert [s for s, *_ in got] == list(range(1, STEPS + 1))
+    assert got == want, "resumed losses differ from the uninterrupted run's"
+    a, b = load_file(out / FINAL), load_file(reference / FINAL)
+    assert a.keys() == b.keys()
+    assert any(k.endswith("experts.w_gate_codes") for k in a) and any(k.endswith("experts.w_down_nested_absmax") for k in a)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), f"final weight {name} differs"
