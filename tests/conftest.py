@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from contextlib import contextmanager
 import os
 import subprocess
 import sys
@@ -98,3 +99,21 @@ def losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
     """(step, loss, eval_loss) per step from metrics.jsonl."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [(r["step"], r["loss"], r.get("eval_loss")) for r in rows]
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@pytest.fixture
+def fp64():
+    """fp64 as the default dtype, not `.double()`: operators draw fresh weights (routers, fresh
+    blocks) in the default dtype, and an fp32 router inside an fp64 model would hide fp64 errors."""
+    with default_dtype(torch.float64):
+        yield

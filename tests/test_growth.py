@@ -9,11 +9,12 @@ Legend: B batch, T sequence, V vocabulary, D d_model, E experts.
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
 import torch
+
+from conftest import default_dtype
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -50,22 +51,6 @@ upcycle = get_operator("upcycle_moe")
 # ---------------------------------------------------------------- helpers
 
 
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-@pytest.fixture
-def fp64():
-    # A default dtype, not `.double()`: operators draw fresh weights (router, fresh blocks) with
-    # the default dtype, and an fp32 router inside an fp64 model would hide fp64-level errors.
-    with default_dtype(torch.float64):
-        yield
 
 
 def dense_config(n_layers: int = 3) -> ModelConfig:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import copy
 import io
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import default_dtype
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
@@ -34,8 +35,8 @@ from growtrain.model import GrowLM, ModelConfig
 from growtrain.optim import AdamW, ParamState, clip_grad_norm
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, load_recipe
 from growtrain.stages import OPERATORS, GrowthCheckFailed, GrowthPlanError, Operator, Provenance, apply_growth, get_operator, plan_stage_models, register
-from growtrain.stages.common import fresh_state, materialize
-from growtrain.stages.invariance import Probe, router_kl, structure_problems
+from growtrain.stages.common import materialize
+from growtrain.stages.invariance import Probe, router_kl
 from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs
 from growtrain.stages.operators.heads import AddHeadsArgs
 from growtrain.stages.operators.upcycle import UpcycleArgs
@@ -52,21 +53,6 @@ upcycle = get_operator("upcycle_moe")
 # ---------------------------------------------------------------- helpers
 
 
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-@pytest.fixture
-def fp64():
-    # A default dtype, not `.double()`: operators draw fresh weights with the default dtype.
-    with default_dtype(torch.float64):
-        yield
 
 
 def dense_config(n_layers: int = 3, **changes) -> ModelConfig:
