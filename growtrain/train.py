@@ -306,10 +306,13 @@ class Run:
                 + " — passed"
             )
         self.tracker.log_transition(stage.name, outcome.records, pos.global_step)
-        self.tracker.log_metrics(
-            {f"growth/{stage.name}/{r['index']}_{r['operator']}/router_kl/block{b}": v for r in outcome.records for b, v in r["metrics"].get("router_kl", {}).items()},
-            pos.global_step,
-        )
+        router_kl = {
+            f"growth/{stage.name}/{r['index']}_{r['operator']}/router_kl/block{b}": v
+            for r in outcome.records
+            for b, v in r["metrics"].get("router_kl", {}).items()
+        }
+        if router_kl:
+            self.tracker.log_metrics(router_kl, pos.global_step)
         maybe_fault("after_transition")
 
     def _train_stage(self, pos: Position, stage: StageConfig, corpus: Corpus) -> None:

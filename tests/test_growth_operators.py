@@ -25,12 +25,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import default_dtype
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
+from conftest import default_dtype
 from growtrain.model import GrowLM, ModelConfig
 from growtrain.optim import AdamW, ParamState, clip_grad_norm
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, load_recipe
@@ -51,8 +50,6 @@ upcycle = get_operator("upcycle_moe")
 
 
 # ---------------------------------------------------------------- helpers
-
-
 
 
 def dense_config(n_layers: int = 3, **changes) -> ModelConfig:
