@@ -117,3 +117,19 @@ def fp64():
     blocks) in the default dtype, and an fp32 router inside an fp64 model would hide fp64 errors."""
     with default_dtype(torch.float64):
         yield
+
+
+def assert_same_run(run_dir: Path, reference: Path, steps: int) -> dict:
+    """A resumed run equals the uninterrupted one: every step's losses, and the final weights bit
+    for bit (dtype included). Returns the final state dict for further checks."""
+    from safetensors.torch import load_file
+
+    got, want = losses(run_dir), losses(reference)
+    assert [s for s, *_ in got] == list(range(1, steps + 1)), "metrics.jsonl must read like one uninterrupted run"
+    assert got == want, "resumed losses differ from the uninterrupted run's"
+    final = f"checkpoints/step-{steps:08d}/model.safetensors"
+    a, b = load_file(Path(run_dir) / final), load_file(Path(reference) / final)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), f"final weight {name} differs"
+    return a
