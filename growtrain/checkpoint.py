@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from growtrain.expert_shards import assemble, is_expert_tensor, slice_state
 from growtrain.faults import maybe_fault
 
 MANIFEST_FORMAT = 1
@@ -237,8 +238,54 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def load_checkpoint(path: Path) -> LoadedCheckpoint:
-    """Verify, then load the checkpoint dir `path`; CheckpointError listing the problems if damaged."""
+def write_shard_file(path: Path, shard: dict) -> None:
+    """One rank's expert shard (expert_shards.py), fsynced: written by every rank into the
+    temporary dir of a save that rank 0 finishes."""
+    _check_plain(shard, "expert shard")
+    with open(path, "wb") as f:
+        torch.save(shard, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def shard_file_name(rank: int, size: int) -> str:
+    return f"experts-{rank:03d}-of-{size:03d}.pt"
+
+
+def _merge_expert_shards(path: Path, model_state: dict, trainer_state: dict, meta: dict, expert_shard: tuple[int, int]) -> None:
+    """Put the experts of `expert_shard` = (rank, size) into model_state and the optimizer state:
+    from the per-rank shard files of a checkpoint saved under expert parallelism (each read only
+    over the needed range: memory-mapped), or cut from the full tensors of one saved without."""
+    rank, size = expert_shard
+    saved = meta.get("expert_parallel")
+    optimizer = trainer_state.get("optimizer", {})
+    if not saved:
+        if size > 1:
+            model_state.update(slice_state({n: t for n, t in model_state.items() if is_expert_tensor(n)}, rank, size))
+            trainer_state["optimizer"] = slice_state(optimizer, rank, size)
+        return
+    model_pieces, optim_pieces = [], []
+    for fname in saved["files"]:
+        try:
+            shard = torch.load(path / fname, weights_only=True, map_location="cpu", mmap=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {path.name} is damaged ({fname}: {e})") from e
+        model_pieces.append((shard["ep_rank"], shard["ep_size"], shard["model"]))
+        optim_pieces.append((shard["ep_rank"], shard["ep_size"], {n: v for n, v in shard["optimizer"].items() if is_expert_tensor(n)}))
+        for n, v in shard["optimizer"].items():  # dense entries: each on its ZeRO-1 owner, whole
+            if not is_expert_tensor(n):
+                optimizer[n] = v
+    if len(model_pieces) != saved["size"]:
+        raise CheckpointError(f"checkpoint {path.name}: {len(model_pieces)} expert shards, meta.json says {saved['size']}")
+    model_state.update(assemble(model_pieces, rank, size))
+    optimizer.update(assemble(optim_pieces, rank, size))
+    trainer_state["optimizer"] = optimizer
+
+
+def load_checkpoint(path: Path, expert_shard: tuple[int, int] = (0, 1)) -> LoadedCheckpoint:
+    """Verify, then load the checkpoint dir `path`; CheckpointError listing the problems if damaged.
+    expert_shard = (rank, size): the routed experts of that expert-parallel rank (the default,
+    (0, 1), is the whole model), whatever EP size the checkpoint was saved at."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -256,6 +303,7 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path.name} is damaged ({TRAINER_FILE}: {e})") from e
     meta = _read_meta_file(path)
+    _merge_expert_shards(path, model_state, trainer_state, meta, expert_shard)
     step = manifest.get("step")
     if not isinstance(step, int):
         step = _step_of(path)
@@ -291,20 +339,20 @@ def read_meta(path: Path) -> dict[str, Any]:
     return _read_meta_file(path)
 
 
-def resolve(path_or_dir: Path, log: Callable[[str], None] = print) -> LoadedCheckpoint:
+def resolve(path_or_dir: Path, log: Callable[[str], None] = print, expert_shard: tuple[int, int] = (0, 1)) -> LoadedCheckpoint:
     """Load a checkpoint dir, or the newest intact checkpoint of a run dir."""
     p = Path(path_or_dir)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if (p / MANIFEST_FILE).is_file() or _step_of(p) is not None:
-        return load_checkpoint(p)
+        return load_checkpoint(p, expert_shard)
     if (p / "checkpoints").is_dir():
-        loaded = CheckpointManager(p, CheckpointConfig(), log=log).load_latest()
+        loaded = CheckpointManager(p, CheckpointConfig(), log=log, expert_shard=expert_shard).load_latest()
         if loaded is None:
             raise CheckpointError(f"{p}: run directory has no complete checkpoint under checkpoints/")
         return loaded
     if p.name == "checkpoints" and p.is_dir():
-        return resolve(p.parent, log)
+        return resolve(p.parent, log, expert_shard)
     raise CheckpointError(
         f"{p}: neither a checkpoint directory (with {MANIFEST_FILE}) nor a run directory (with checkpoints/)"
     )
@@ -316,7 +364,10 @@ def resolve(path_or_dir: Path, log: Callable[[str], None] = print) -> LoadedChec
 class CheckpointManager:
     """Saves, retains and loads the checkpoints of one run directory."""
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, log: Callable[[str], None] = print):
+    def __init__(
+        self, run_dir: Path, cfg: CheckpointConfig, log: Callable[[str], None] = print, expert_shard: tuple[int, int] = (0, 1)
+    ):
+        self.expert_shard = expert_shard  # (rank, size): which experts loads return (load_checkpoint)
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.log = log
@@ -336,7 +387,11 @@ class CheckpointManager:
         meta: dict,
         stage_end: bool = False,
         extra_files: dict[str, str] | None = None,
+        write_shards: Callable[[Path], list[str]] | None = None,
     ) -> Path:
+        """write_shards: under expert parallelism, called with the temporary dir once this rank's
+        files are written; it has every rank write its expert shard there and returns their names,
+        which the manifest then covers like any other file."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         extra_files = dict(extra_files or {})
@@ -363,9 +418,10 @@ class CheckpointManager:
             _write_synced(tmp / META_FILE, meta_text.encode())
             for fname, text in extra_files.items():
                 _write_synced(tmp / fname, text.encode())
+            shard_files = write_shards(tmp) if write_shards is not None else []
 
             files = {}
-            for fname in [MODEL_FILE, TRAINER_FILE, META_FILE, *extra_files]:
+            for fname in [MODEL_FILE, TRAINER_FILE, META_FILE, *extra_files, *shard_files]:
                 fpath = tmp / fname
                 files[fname] = {"bytes": fpath.stat().st_size, "sha256": _sha256(fpath)}
             manifest = {"format": MANIFEST_FORMAT, "step": step, "stage_end": bool(stage_end), "files": files}
@@ -441,7 +497,7 @@ class CheckpointManager:
         return verify_checkpoint(path)
 
     def load(self, path: Path) -> LoadedCheckpoint:
-        return load_checkpoint(path)
+        return load_checkpoint(path, self.expert_shard)
 
     def latest_hint(self) -> str | None:
         try:
@@ -471,7 +527,7 @@ class CheckpointManager:
         damaged: list[str] = []
         for i, path in enumerate(candidates):
             try:
-                return load_checkpoint(path)
+                return load_checkpoint(path, self.expert_shard)
             except CheckpointError as e:
                 reason = str(e)
                 damaged.append(reason)
@@ -482,4 +538,4 @@ class CheckpointManager:
         )
 
     def resolve(self, path_or_dir: Path) -> LoadedCheckpoint:
-        return resolve(path_or_dir, self.log)
+        return resolve(path_or_dir, self.log, self.expert_shard)

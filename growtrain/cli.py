@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         code = _user_error_code(exc)
         if code is None:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"{rank}error: {exc}", file=sys.stderr)
         return code
 
 
@@ -137,6 +138,9 @@ def _user_error_code(exc: Exception) -> int | None:
         return 2
     if isinstance(exc, GrowthCheckFailed):
         return 3
+    distributed = sys.modules.get("growtrain.distributed")  # loaded by `run`
+    if distributed is not None and isinstance(exc, distributed.PeerFailed):
+        return 5
     from growtrain.train import TrainingDiverged
 
     if isinstance(exc, TrainingDiverged):
@@ -151,7 +155,8 @@ def cmd_run(args) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     out = args.out or Path("runs") / recipe.name
     result = run(recipe, out, args.resume)
-    print(f"run directory: {result.run_dir}  (growtrain inspect {result.run_dir})")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone talks
+        print(f"run directory: {result.run_dir}  (growtrain inspect {result.run_dir})")
     return 0
 
 

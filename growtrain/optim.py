@@ -122,28 +122,40 @@ class AdamW:
     def load_state_dict(self, d: dict) -> None:
         self.rebind(self.params, {n: ParamState(**v) for n, v in d.items()})
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """clip_grad_norm over this optimizer's parameters, each weighted by its `norm_mult`."""
+    def clip_grad_norm(self, max_norm: float, sum_squares=None) -> float:
+        """clip_grad_norm over this optimizer's parameters, each weighted by its `norm_mult`.
+        sum_squares: see clip_grad_norm (sharded optimizer state: the other ranks' shares)."""
         names = list(self.params)
-        return clip_grad_norm([self.params[n] for n in names], max_norm, [self.state[n].norm_mult for n in names])
+        return clip_grad_norm([self.params[n] for n in names], max_norm, [self.state[n].norm_mult for n in names], sum_squares)
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, weights: list | None = None) -> float:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, weights: list | None = None, sum_squares=None) -> float:
     """Global L2 norm of the gradients (returned before clipping); clips in place when max_norm > 0.
 
     weights: per parameter, a float or a tensor shaped like it, multiplying its squared gradient
-    (1 everywhere: the plain norm, computed exactly as without weights)."""
+    (1 everywhere: the plain norm, computed exactly as without weights).
+    sum_squares: when these parameters are one rank's share, a function turning the local squared
+    norm into the global one (distributed.Dist.sum_squares); every rank then clips by the same factor."""
     weights = weights if weights is not None else [1.0] * len(params)
     pairs = [(p.grad, w) for p, w in zip(params, weights) if p.grad is not None]
+    if sum_squares is not None:
+        local = torch.stack([_weighted_norm(g.float(), w) for g, w in pairs]).double().pow(2).sum() if pairs else torch.zeros((), dtype=torch.float64)
+        total = sum_squares(local).sqrt().item()
+        _clip([g for g, _ in pairs], max_norm, total)
+        return total
     if not pairs:
         return 0.0
     grads = [g for g, _ in pairs]
     total = torch.linalg.vector_norm(torch.stack([_weighted_norm(g.float(), w) for g, w in pairs])).item()
+    _clip(grads, max_norm, total)
+    return total
+
+
+def _clip(grads: list[torch.Tensor], max_norm: float, total: float) -> None:
     if max_norm > 0 and math.isfinite(total) and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for g in grads:
             g.mul_(scale)
-    return total
 
 
 def _weighted_norm(g: torch.Tensor, weight) -> torch.Tensor:

@@ -140,6 +140,19 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Settings used when launched by torchrun / accelerate launch (ignored in a single process)."""
+
+    combine: Literal["overlapped", "serial"] = field(
+        default="overlapped",
+        metadata={"doc": "Expert combine: overlapped (results sent as each rank's chunk finishes) or serial (one all-to-all after compute); same bits."},
+    )
+    timeout_s: int = field(
+        default=600, metadata={"doc": "A collective waiting longer than this on a stuck rank fails the run (seconds).", "ge": 10}
+    )
+
+
+@dataclass(frozen=True)
 class InvarianceConfig:
     """Thresholds of the checks run around every growth operator (DESIGN.md §8)."""
 
@@ -169,6 +182,9 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoint policy."})
     invariance: InvarianceConfig = field(default_factory=InvarianceConfig, metadata={"doc": "Growth check thresholds."})
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"doc": "W&B and console."})
+    distributed: DistributedConfig = field(
+        default_factory=DistributedConfig, metadata={"doc": "Expert parallelism under torchrun (README: Expert parallelism)."}
+    )
 
 
 # ---------------------------------------------------------------------------------------------

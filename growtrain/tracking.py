@@ -136,10 +136,11 @@ def _step_of(line: str) -> int:
 class Console:
     """A progress bar over all steps of all stages, and one plain line per log interval."""
 
-    def __init__(self, total_steps: int, done_steps: int, progress_bar: bool):
+    def __init__(self, total_steps: int, done_steps: int, progress_bar: bool, quiet: bool = False):
         self.total = total_steps
+        self.quiet = quiet  # ranks other than 0 under torchrun: rank 0 alone talks
         self._bar = None
-        if progress_bar and sys.stderr.isatty():
+        if progress_bar and not quiet and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=done_steps, unit="step", dynamic_ncols=True, leave=False)
@@ -148,6 +149,8 @@ class Console:
         self._sec_per_step = float("nan")
 
     def write(self, line: str) -> None:
+        if self.quiet:
+            return
         if self._bar is not None:
             self._bar.write(line)
         else:

@@ -19,14 +19,16 @@ import platform
 import resource
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from growtrain.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
+from growtrain.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint, shard_file_name, write_shard_file
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
+from growtrain.distributed import Dist, is_peer_failure
+from growtrain.expert_shards import is_expert_tensor
 from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
@@ -106,8 +108,9 @@ def environment() -> dict:
 
 
 def _comparable(recipe_plain: dict) -> dict:
-    # Where metrics go and how many checkpoints are kept may change between a run and its resume.
-    return {k: v for k, v in recipe_plain.items() if k not in ("tracking", "checkpoint")}
+    # Where metrics go, how many checkpoints are kept and how experts are combined (same bits
+    # either way) may change between a run and its resume.
+    return {k: v for k, v in recipe_plain.items() if k not in ("tracking", "checkpoint", "distributed")}
 
 
 def _recipe_diff(a, b, path="") -> list[str]:
@@ -121,13 +124,17 @@ def _recipe_diff(a, b, path="") -> list[str]:
 
 class Run:
     def __init__(self, recipe: Recipe, run_dir: Path, log=print):
+        # Under torchrun every rank runs this file; rank 0 alone logs, tracks and writes metrics.
+        self.dist = Dist.from_env(recipe.distributed)
         self.recipe = recipe
         self.run_dir = Path(run_dir)
-        self.log = log
+        self.log = log if self.dist.is_main else (lambda *a, **k: None)
         self.plain = to_plain(recipe)
-        self.ckpt = CheckpointManager(self.run_dir, recipe.checkpoint, log)
+        self.ckpt = CheckpointManager(self.run_dir, recipe.checkpoint, self.log, expert_shard=(self.dist.rank, self.dist.size))
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl")
-        self.tracker = Tracker(recipe.tracking, self.run_dir, recipe.name, log)
+        tracking = recipe.tracking if self.dist.is_main else replace(recipe.tracking, wandb=replace(recipe.tracking.wandb, mode="disabled"))
+        self.tracker = Tracker(tracking, self.run_dir, recipe.name, self.log)
+        self.dist.error_dir = self.run_dir / ".rank-errors"
         self.history: list[dict] = []
         self.last_loss = math.nan
         self.last_eval = math.nan
@@ -162,16 +169,18 @@ class Run:
                 f"(fingerprint {self.data_fingerprint}, checkpoint has {meta['data_fingerprint']})"
             )
         pos = Position(meta["stage"], meta["stage_step"], meta["step"], meta["tokens"], loaded.trainer_state["bad_steps"], True)
-        self.model = GrowLM(shapes[pos.stage])
+        # The checkpoint loader already cut the experts (and their optimizer state) to this rank.
+        self.model = self.dist.shard(GrowLM(shapes[pos.stage]))
         self.model.load_state_dict(loaded.model_state, strict=True)
-        self.optimizer = AdamW(dict(self.model.named_parameters()), self.recipe.optimizer)
-        self.optimizer.load_state_dict(loaded.trainer_state["optimizer"])
+        self.optimizer = AdamW(self.dist.owned(dict(self.model.named_parameters())), self.recipe.optimizer)
+        self.optimizer.load_state_dict({n: v for n, v in loaded.trainer_state["optimizer"].items() if n in self.optimizer.params})
         self.stream.load_state_dict(loaded.trainer_state["data"])
         torch.set_rng_state(loaded.trainer_state["rng"]["torch"])
         self.history = list(meta["growth_history"])
         self.wandb_id = meta.get("wandb_id")
         self.last_loss, self.last_eval = meta.get("loss", math.nan), meta.get("eval_loss", math.nan)
-        self.metrics.truncate_after(pos.global_step)
+        if self.dist.is_main:
+            self.metrics.truncate_after(pos.global_step)
         self.log(
             f"resumed from {loaded.path.name}: stage {pos.stage} '{self.recipe.stages[pos.stage].name}', "
             f"step {pos.global_step}, {pos.tokens:,} tokens"
@@ -187,7 +196,7 @@ class Run:
             "stage_step": pos.stage_step,
             "step": pos.global_step,
             "tokens": pos.tokens,
-            "params_total": self.model.num_parameters(),
+            "params_total": self.num_parameters(),
             "model_config": to_plain(self.model.config),
             "loss": self.last_loss,
             "eval_loss": self.last_eval,
@@ -204,19 +213,82 @@ class Run:
             "rng": {"torch": torch.get_rng_state()},
             "bad_steps": pos.bad_steps,
         }
+        model_state = self.model.state_dict()
+        write_shards = None
+        if self.dist.active:
+            # Rank 0's files hold the replicated state; each rank adds its experts and its share of
+            # the optimizer state, with the EP layout, so any EP size can load it (expert_shards.py).
+            shard = {
+                "ep_rank": self.dist.rank,
+                "ep_size": self.dist.size,
+                "model": {n: t for n, t in model_state.items() if is_expert_tensor(n)},
+                "optimizer": trainer_state.pop("optimizer"),
+            }
+            trainer_state["optimizer"] = {}
+            model_state = {n: t for n, t in model_state.items() if not is_expert_tensor(n)}
+            meta["expert_parallel"] = {"size": self.dist.size, "files": [shard_file_name(r, self.dist.size) for r in range(self.dist.size)]}
+            write_shards = lambda tmp: self._write_shards(tmp, shard)  # noqa: E731
+            if not self.dist.is_main:
+                self._write_shards(None, shard)
+                self.dist.barrier()  # rank 0 has renamed the checkpoint into place
+                return
         path = self.ckpt.save(
             pos.global_step,
-            model_state=self.model.state_dict(),
+            model_state=model_state,
             trainer_state=trainer_state,
             meta=meta,
             stage_end=stage_end,
             extra_files={"recipe.yaml": dump_yaml(self.recipe)},
+            write_shards=write_shards,
         )
+        self.dist.barrier()
         self.console.write(f"checkpoint {path.name}{' (stage end)' if stage_end else ''}")
+
+    def _write_shards(self, tmp: Path | None, shard: dict) -> list[str]:
+        """Every rank writes its expert shard into rank 0's temporary checkpoint dir."""
+        import torch.distributed as dist
+
+        where = [str(tmp) if tmp is not None else None]
+        dist.broadcast_object_list(where, src=0)
+        write_shard_file(Path(where[0]) / shard_file_name(self.dist.rank, self.dist.size), shard)
+        self.dist.barrier()
+        return [shard_file_name(r, self.dist.size) for r in range(self.dist.size)]
+
+    def num_parameters(self) -> int:
+        """The whole model's count (a rank holds 1/W of the experts)."""
+        return sum(p.numel() * (self.dist.size if is_expert_tensor(n) else 1) for n, p in self.model.named_parameters())
+
+    def _check_parallel(self, shapes: list[ModelConfig]) -> None:
+        """What expert parallelism over W ranks needs of the recipe, all problems at once."""
+        W = self.dist.size
+        if W == 1:
+            return
+        problems = []
+        for stage, shape in zip(self.recipe.stages, shapes):
+            if stage.batch_size % W:
+                problems.append(f"stages '{stage.name}': batch_size {stage.batch_size} does not divide over {W} ranks (each trains its share of the rows)")
+            if shape.moe is not None and shape.moe_layers and shape.moe.num_experts % W:
+                problems.append(f"stages '{stage.name}': {shape.moe.num_experts} experts do not divide over {W} expert-parallel ranks")
+        if self.recipe.optimizer.dense_state_bits == 8:
+            problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
+        if problems:
+            raise RecipeError(problems, f"{self.recipe.name} under torchrun with {W} processes")
 
     # -- the run ---------------------------------------------------------------------------------
 
     def execute(self, resume: str = "auto") -> RunResult:
+        try:
+            result = self._execute(resume)
+        except BaseException as exc:
+            if self.dist.active:
+                if is_peer_failure(exc):
+                    raise self.dist.explain_peer_failure(exc) from None
+                self.dist.report_failure(exc)  # the other ranks' next collective fails: they read this
+            raise
+        self.dist.close()
+        return result
+
+    def _execute(self, resume: str) -> RunResult:
         recipe = self.recipe
         if recipe.train.threads:
             torch.set_num_threads(recipe.train.threads)
@@ -230,19 +302,25 @@ class Run:
         self.stream = TokenStream(corpus.train_tokens)
         seed_shape = seed_model_config(recipe, corpus)
         shapes = plan_stage_models(seed_shape, [s.grow for s in recipe.stages])
+        self._check_parallel(shapes)
         probe = eval_batches(corpus.eval_tokens, recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len, 1)[0]
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.dist.clear_failures()
+        if self.dist.active:
+            self.log(f"expert parallelism: {self.dist.size} processes, {recipe.distributed.combine} combine")
         loaded = self._find_checkpoint(resume)
         self.wandb_id = None
         if loaded is not None:
             pos = self._restore(loaded, shapes)
         else:
             pos = Position()
-            self.model = GrowLM(seed_shape)
-            self.optimizer = AdamW(dict(self.model.named_parameters()), recipe.optimizer)
-            self.metrics.truncate_after(-1)
-        (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
+            self.model = self.dist.shard(GrowLM(seed_shape))
+            self.optimizer = AdamW(self.dist.owned(dict(self.model.named_parameters())), recipe.optimizer)
+            if self.dist.is_main:
+                self.metrics.truncate_after(-1)
+        if self.dist.is_main:
+            (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
         self.log(f"resolved recipe: {self.run_dir / 'recipe.yaml'}")
 
         self.wandb_id = self.tracker.start(self.plain, self.wandb_id, {"environment": self.env})
@@ -252,7 +330,7 @@ class Run:
             for row in self.metrics.read():
                 self.tracker.log_metrics({k: v for k, v in row.items() if k not in ("step", "stage")}, row["step"])
         total = sum(s.steps for s in recipe.stages)
-        self.console = Console(total, pos.global_step, recipe.tracking.progress_bar)
+        self.console = Console(total, pos.global_step, recipe.tracking.progress_bar, quiet=not self.dist.is_main)
         exit_code = 1
         try:
             while pos.stage < len(recipe.stages):
@@ -275,10 +353,12 @@ class Run:
     def _grow(self, pos: Position, stage: StageConfig, planned: ModelConfig, probe) -> None:
         if not stage.grow:
             return
+        # Under expert parallelism every rank grows the gathered model identically, then re-shards.
+        model, state = self.dist.gather_full(self.model, self.optimizer.state)
         try:
             outcome = apply_growth(
-                self.model,
-                self.optimizer.state,
+                model,
+                state,
                 stage.grow,
                 seed=self.recipe.seed,
                 stage_index=pos.stage,
@@ -290,11 +370,13 @@ class Run:
         except GrowthCheckFailed as exc:
             # Nothing of the failed growth is checkpointed; its report is kept for the post-mortem.
             report = self.run_dir / "growth-failure.json"
-            report.write_text(json.dumps(exc.record, indent=2, default=str) + "\n")
+            if self.dist.is_main:
+                report.write_text(json.dumps(exc.record, indent=2, default=str) + "\n")
             self.console.write(f"growth check failed; full report in {report}")
             raise
-        self.model = outcome.model
-        self.optimizer.rebind(dict(self.model.named_parameters()), outcome.optimizer_state)
+        self.model = self.dist.shard(outcome.model)
+        named = dict(self.model.named_parameters())
+        self.optimizer.rebind(self.dist.owned(named), self.dist.shard_state(outcome.optimizer_state, named))
         self.history.extend(outcome.records)
         for r in outcome.records:
             m = r["metrics"]
@@ -318,10 +400,11 @@ class Run:
     def _train_stage(self, pos: Position, stage: StageConfig, corpus: Corpus) -> None:
         recipe = self.recipe
         precision = recipe.train.precision
-        evals = eval_batches(corpus.eval_tokens, stage.batch_size, stage.seq_len, recipe.train.eval_batches)
+        local = self.dist.local_rows
+        evals = [(local(x), local(y)) for x, y in eval_batches(corpus.eval_tokens, stage.batch_size, stage.seq_len, recipe.train.eval_batches)]
         tokens_per_step = stage.batch_size * stage.seq_len * stage.grad_accum
         self.console.write(
-            f"stage {pos.stage + 1}/{len(recipe.stages)} '{stage.name}': {self.model.num_parameters():,} params, "
+            f"stage {pos.stage + 1}/{len(recipe.stages)} '{stage.name}': {self.num_parameters():,} params, "
             f"{stage.steps} steps of {tokens_per_step:,} tokens (seq {stage.seq_len} x batch {stage.batch_size} x accum {stage.grad_accum})"
         )
         base_lr = recipe.optimizer.lr
@@ -332,18 +415,21 @@ class Run:
             loads = None
             for _ in range(stage.grad_accum):
                 inputs, targets = self.stream.next_batch(stage.batch_size, stage.seq_len)
-                ce, aux, stats = forward_loss(self.model, inputs, targets, precision)
+                ce, aux, stats = forward_loss(self.model, local(inputs), local(targets), precision)
                 ((ce + aux) / stage.grad_accum).backward()
                 ce_sum += ce.item() / stage.grad_accum
                 aux_sum += aux.item() / stage.grad_accum
                 loads = [s.load for s in stats] if loads is None else [a + s.load for a, s in zip(loads, stats)]
+            self.dist.sync_grads(self.model)
+            ce_sum, aux_sum = self.dist.mean(ce_sum, aux_sum)
             maybe_fault("step_mid")
             # Measured in the seed model's parametrization (per-element weights set by growth), so
             # clipping scales a grown model's step as it would have scaled the ungrown one's.
-            grad_norm = self.optimizer.clip_grad_norm(recipe.optimizer.grad_clip)
+            grad_norm = self.optimizer.clip_grad_norm(recipe.optimizer.grad_clip, self.dist.sum_squares if self.dist.active else None)
             finite = math.isfinite(ce_sum) and math.isfinite(aux_sum) and math.isfinite(grad_norm)
             if finite:
                 self.optimizer.step(lr)
+                self.dist.broadcast_dense(self.model)
                 if loads:
                     self.model.update_balance_biases(loads)
                 pos.bad_steps = 0
@@ -359,7 +445,7 @@ class Run:
                         "no checkpoint of this state was written: resume restarts from the last good one. "
                         "Lower the LR, raise warmup, or use fp32."
                     )
-            self.optimizer.zero_grad()
+            self.model.zero_grad(set_to_none=True)  # also the dense gradients this rank does not step
             pos.stage_step += 1
             pos.global_step += 1
             pos.tokens += tokens_per_step
@@ -380,9 +466,10 @@ class Run:
                 self.last_loss = ce_sum
             stage_end = pos.stage_step == stage.steps
             if stage_end or (recipe.train.eval_every and pos.global_step % recipe.train.eval_every == 0):
-                self.last_eval = evaluate(self.model, evals, precision)
+                (self.last_eval,) = self.dist.mean(evaluate(self.model, evals, precision))
                 record["eval_loss"] = self.last_eval
-            self.metrics.append(record)
+            if self.dist.is_main:
+                self.metrics.append(record)
             wandb_metrics = {k: v for k, v in record.items() if k not in ("step", "stage")}
             wandb_metrics["stage_index"] = pos.stage
             if loads:

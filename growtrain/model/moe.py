@@ -25,6 +25,7 @@ from growtrain.kernels.backend import triton_expert_backend, triton_nf4_expert_b
 from growtrain.kernels.nf4_reference import NF4LoRAExperts, grouped_swiglu_nf4_lora_reference
 from growtrain.kernels.reference import grouped_swiglu_reference
 from growtrain.model.config import ModelConfig, MoEConfig
+from growtrain.model.expert_parallel import EPGroup, expert_parallel_ffn
 from growtrain.model.layers import SwiGLU, compute_dtype, out_proj_std
 from growtrain.model.nf4 import NF4Experts
 
@@ -137,6 +138,7 @@ class MoE(nn.Module):
             raise ValueError(f"moe.score_func must be 'softmax' or 'sigmoid', got {moe.score_func!r}")
         get_expert_backend(moe.expert_backend, moe.expert_format)  # fail at build time, not at the first step
         self.config: MoEConfig = moe
+        self.ep: EPGroup | None = None  # set by expert_parallel.shard_experts: this rank holds a slice
         self.expert_backend = moe.expert_backend
         out_std = out_proj_std(config)
         self.router = Router(config.d_model, moe.num_experts, moe.router_init_std)
@@ -192,7 +194,11 @@ class MoE(nn.Module):
         # Expand-then-gather (not x_TD[order // K]): its backward is a plain sum over K plus a
         # permutation, with no accumulating scatter, so gradients are bitwise reproducible.
         x_SD = x_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
-        y_sorted_SD = self.experts(x_SD[order_S], offsets_E1, self.expert_backend)
+        if self.ep is None:
+            y_sorted_SD = self.experts(x_SD[order_S], offsets_E1, self.expert_backend)
+            load_E = counts_E
+        else:  # experts sharded over ranks: dispatch, compute, combine (growtrain/model/expert_parallel.py)
+            y_sorted_SD, load_E = expert_parallel_ffn(self.experts, self.expert_backend, x_SD[order_S], counts_E, self.ep)
         inverse_S = torch.empty_like(order_S)
         inverse_S[order_S] = torch.arange(order_S.numel(), device=x.device)
         y_TKD = y_sorted_SD[inverse_S].view(T, K, -1)
@@ -203,13 +209,16 @@ class MoE(nn.Module):
             y_TD = y_TD + self.shared(x_TD)
 
         stats = MoEStats(
-            aux_loss=self._aux_loss(logits_TE, scores_TE, counts_E),
-            load=counts_E.detach().to(torch.float32),
+            aux_loss=self._aux_loss(logits_TE, scores_TE, load_E),
+            load=load_E.detach().to(torch.float32),
             top_k_indices=idx_TK.detach(),
         )
         return y_TD.reshape(*lead_shape, -1).to(x.dtype), stats
 
     def _aux_loss(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """counts_E: the load over the whole batch (all ranks under expert parallelism). With each
+        rank's P_e from its own tokens, the mean over ranks of E·Σ f_e P_e is the whole batch's
+        balance loss, and so is its gradient (equal tokens per rank)."""
         cfg = self.config
         zero = logits_TE.new_zeros(())
         if logits_TE.shape[0] == 0:

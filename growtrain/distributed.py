@@ -1,0 +1,292 @@
+"""`growtrain run` under `torchrun --nproc-per-node N` (or `accelerate launch`): one process per
+GPU (per CPU process on gloo), experts sharded over all of them, dense parameters data-parallel
+(DESIGN.md §12). A single process gets `Dist()`, whose every method is a no-op.
+
+What each rank does differently from a single process:
+- data: every rank draws the same global batch from the same stream and trains on its own rows
+  (so the data cursor, and a resume at another EP size, do not depend on N);
+- experts: rank r holds experts [r·E/N, (r+1)·E/N) of every MoE layer
+  (growtrain/model/expert_parallel.py); their gradients come from every rank's tokens through the
+  all-to-all and are only scaled (each expert has one replica, nothing to reduce);
+- dense parameters: gradients all-reduced (mean); optimizer state sharded ZeRO-1 style (each
+  dense parameter's moments live on one owner rank, which steps it and broadcasts the result);
+- the clip norm is the global one (each rank's owned share of the squared norm, summed);
+- growth gathers the full model and optimizer state on every rank, runs the operators and their
+  checks identically everywhere (seeded), and re-shards (see `gather_full`);
+- checkpoints: rank 0 writes the dense state; each rank writes its experts' slices and its
+  owned optimizer state into the same checkpoint (growtrain/checkpoint.py, expert_shards.py);
+- failures: a rank that fails writes its message under `run_dir/.rank-errors/`; the others, whose
+  next collective then fails, report that message (or that a peer died) instead of hanging.
+
+Legend: W ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from growtrain.expert_shards import is_expert_tensor, slice_entry
+from growtrain.model.expert_parallel import EPGroup, shard_experts
+from growtrain.recipe import DistributedConfig
+
+
+class PeerFailed(Exception):
+    """Another rank failed or died; this rank stopped with its message."""
+
+
+_STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "lr_mult", "wd_mult", "eps_mult", "norm_mult")
+
+
+class Dist:
+    """One process's view of the run's processes. `Dist()` is the single-process case."""
+
+    def __init__(self, rank: int = 0, size: int = 1, combine: str = "overlapped"):
+        self.rank, self.size = rank, size
+        self.ep = EPGroup(rank, size, combine) if size > 1 else None
+        self.error_dir: Path | None = None
+        # Where collectives' own tensors live: NCCL takes CUDA tensors only.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if size > 1 and dist.get_backend() == "nccl" else torch.device("cpu")
+
+    @classmethod
+    def from_env(cls, cfg: DistributedConfig) -> "Dist":
+        """Joins the process group torchrun / accelerate described in the environment, if any."""
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size == 1:
+            return cls()
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        # The launcher stops the survivors with SIGTERM when a rank dies: say so, not a bare kill.
+        if threading_main():
+            signal.signal(signal.SIGTERM, _raise_peer_failed)
+        return cls(dist.get_rank(), dist.get_world_size(), cfg.combine)
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        if self.active and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- data ------------------------------------------------------------------------------------
+
+    def local_rows(self, x_B: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch (the recipe checks that batch sizes divide by W)."""
+        if not self.active:
+            return x_B
+        n = x_B.shape[0] // self.size
+        return x_B[self.rank * n : (self.rank + 1) * n]
+
+    def mean(self, *values: float) -> list[float]:
+        """Each value averaged over the ranks (one all-reduce for all of them)."""
+        if not self.active:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return (t / self.size).tolist()
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    # -- parameters and optimizer state ----------------------------------------------------------
+
+    def owners(self, named_params: dict[str, nn.Parameter]) -> dict[str, int]:
+        """ZeRO-1 owner of each trainable dense parameter: largest first onto the least-loaded rank
+        (deterministic from names and shapes, so every rank computes the same table)."""
+        dense = sorted(
+            ((n, p.numel()) for n, p in named_params.items() if p.requires_grad and not is_expert_tensor(n)), key=lambda x: (-x[1], x[0])
+        )
+        load = [0] * self.size
+        table = {}
+        for name, numel in dense:
+            r = min(range(self.size), key=lambda i: (load[i], i))
+            table[name] = r
+            load[r] += numel
+        return table
+
+    def owned(self, named_params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+        """What this rank's optimizer steps: its experts and the dense parameters it owns."""
+        if not self.active:
+            return named_params
+        table = self.owners(named_params)
+        return {n: p for n, p in named_params.items() if is_expert_tensor(n) or table.get(n) == self.rank}
+
+    def sync_grads(self, model: nn.Module) -> None:
+        """Mean over ranks: dense gradients all-reduced, expert gradients (one replica each, summed
+        over every rank's tokens by the all-to-all's backward) divided by W."""
+        if not self.active:
+            return
+        dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not is_expert_tensor(n)]
+        # One flat buffer, plus a has-gradient flag per tensor, so a parameter without a gradient
+        # on every rank stays without one (as in a single process) instead of turning into zeros.
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for _, p in dense]
+            + [torch.tensor([float(p.grad is not None) for _, p in dense], device=self.device)]
+        )
+        dist.all_reduce(flat)
+        flags = flat[-len(dense) :] if dense else flat[:0]
+        offset = 0
+        for (_, p), flag in zip(dense, flags.tolist()):
+            n = p.numel()
+            p.grad = (flat[offset : offset + n].view_as(p) / self.size).to(p.dtype) if flag > 0 else None
+            offset += n
+        for n, p in model.named_parameters():
+            if p.requires_grad and is_expert_tensor(n):
+                # A rank whose experts got no token this step has no gradient for them; in one
+                # process the stacked tensor always has one (zero rows), and Adam steps it.
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(self.size)
+
+    def sum_squares(self, sq: torch.Tensor) -> torch.Tensor:
+        """The global squared gradient norm from each rank's owned share."""
+        if self.active:
+            sq = sq.detach().to(torch.float64).reshape(1).clone()
+            dist.all_reduce(sq)
+            sq = sq.reshape(())
+        return sq
+
+    @torch.no_grad()
+    def broadcast_dense(self, model: nn.Module) -> None:
+        """After the step: each owner sends the dense parameters it stepped to every rank."""
+        if not self.active:
+            return
+        named = dict(model.named_parameters())
+        table = self.owners(named)
+        for owner in range(self.size):
+            params = [named[n] for n in sorted(table) if table[n] == owner]
+            if not params:
+                continue
+            flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+            dist.broadcast(flat, src=owner)
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    # -- growth: gather, grow, re-shard ----------------------------------------------------------
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        return shard_experts(model, self.ep) if self.active else model
+
+    def shard_state(self, state: dict, named_params: dict[str, nn.Parameter]) -> dict:
+        """A full name-keyed optimizer state (ParamState values) cut to what this rank owns."""
+        if not self.active:
+            return state
+        owned = self.owned(named_params)
+        from growtrain.optim import ParamState
+
+        return {n: ParamState(**slice_entry(_fields(s), self.rank, self.size)) if is_expert_tensor(n) else s for n, s in state.items() if n in owned}
+
+    @torch.no_grad()
+    def gather_full(self, model: nn.Module, state: dict) -> tuple[nn.Module, dict]:
+        """The whole model and optimizer state, on every rank. Growth runs on it as in a single
+        process. Every rank then holds the full model for a moment: fine at the sizes CPU tests
+        and one node's first stages use; growing a model that only fits sharded needs the
+        operators to act on slices (not built yet)."""
+        if not self.active:
+            return model, state
+        from growtrain.model import GrowLM
+        from growtrain.optim import ParamState
+
+        full = {}
+        for name, t in model.state_dict().items():
+            if is_expert_tensor(name):
+                parts = [torch.empty_like(t) for _ in range(self.size)]
+                dist.all_gather(parts, t.contiguous())
+                full[name] = torch.cat(parts)
+            else:
+                full[name] = t
+        with torch.device("meta"):
+            grown = GrowLM(model.config)
+        grown.load_state_dict(full, strict=True, assign=True)
+        for name, p in grown.named_parameters():  # assign=True keeps the loaded tensors' flags
+            p.requires_grad_(dict(model.named_parameters())[name].requires_grad)
+        states: list = [None] * self.size
+        dist.all_gather_object(states, {n: _fields(s) for n, s in state.items()})
+        merged = {}
+        for name in sorted({n for s in states for n in s}):
+            pieces = [s[name] for s in states if name in s]
+            if is_expert_tensor(name):
+                from growtrain.expert_shards import cat_entries
+
+                merged[name] = ParamState(**cat_entries(pieces))
+            else:
+                merged[name] = ParamState(**pieces[0])
+        return grown, merged
+
+    # -- failures ----------------------------------------------------------------------------------
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Leave this rank's error where the other ranks look for it."""
+        if not self.active or self.error_dir is None:
+            return
+        try:
+            self.error_dir.mkdir(parents=True, exist_ok=True)
+            (self.error_dir / f"rank-{self.rank}.txt").write_text(f"{type(exc).__name__}: {exc}\n")
+        except OSError:
+            pass
+
+    def explain_peer_failure(self, exc: BaseException, wait_s: float = 2.0) -> PeerFailed:
+        """This rank's collective failed (or the launcher stopped it): name the rank that failed
+        first and its message, waiting a moment for that rank to write it."""
+        if threading_main():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop must not cut the explanation short
+        deadline = time.monotonic() + wait_s
+        while True:
+            reports = sorted(self.error_dir.glob("rank-*.txt")) if self.error_dir and self.error_dir.is_dir() else []
+            reports = [r for r in reports if r.name != f"rank-{self.rank}.txt"]
+            if reports or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        if reports:
+            first = reports[0]
+            return PeerFailed(f"rank {self.rank} stopped: {first.stem.replace('-', ' ')} failed: {first.read_text().strip()}")
+        return PeerFailed(
+            f"rank {self.rank} stopped: another rank died or stopped responding ({type(exc).__name__}: {str(exc).strip()[:300]}); "
+            "the newest complete checkpoint is intact: run the same command to resume"
+        )
+
+    def clear_failures(self) -> None:
+        if self.is_main and self.error_dir is not None and self.error_dir.is_dir():
+            for f in self.error_dir.glob("rank-*.txt"):
+                f.unlink(missing_ok=True)
+        self.barrier()
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """An error raised by a collective whose peer went away (gloo / NCCL), or the launcher's stop."""
+    if isinstance(exc, PeerFailed):
+        return True
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(k in text for k in ("Connection closed", "Connection reset", "gloo", "NCCL", "Socket", "Timed out"))
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_peer_failed(signum, frame):
+    raise PeerFailed("stopped by the launcher (another rank failed or was killed)")
+
+
+def _fields(s) -> dict:
+    return {k: getattr(s, k) for k in _STATE_FIELDS}

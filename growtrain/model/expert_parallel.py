@@ -1,0 +1,155 @@
+"""Expert-parallel dispatch and combine (DESIGN.md §12): each rank routes its own tokens, sends
+every token-slot to the rank that holds its expert, computes the slots it received, and sends the
+results back.
+
+1. Counts: all ranks all-gather their per-expert slot counts ([W, E]); that gives every split size
+   of both exchanges and the global load (balance loss, balance bias).
+2. Dispatch: one `all_to_all_single` with variable splits (the list form fails on gloo with uneven
+   sizes), autograd through it (its backward is the reverse exchange).
+3. Compute: the received rows come grouped by source rank and, within a source, sorted by expert,
+   so each source's chunk is computed by one grouped-expert call with its own offsets. Chunks for
+   remote ranks are computed first, the rank's own chunk last.
+4. Combine, two paths with the same arithmetic (so the same bits):
+   - "serial": after all chunks, one `all_to_all_single` sends them back;
+   - "overlapped": receives are posted before the compute; each remote chunk is sent (`isend`) as
+     soon as it is finished, while the next one computes, so the transfer hides behind compute.
+     On GPUs the tile-signaled producer/consumer of growtrain/kernels/combine.py plays this role at
+     tile granularity; this chunk-level path runs on gloo and NCCL alike.
+   The backward of both is one reverse all-to-all of the gradients.
+
+Legend: S token-slots sent by this rank (sorted by expert), R slots received, D d_model,
+E experts of the layer (global), L = E / W local experts, W ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from growtrain.expert_shards import expert_range
+
+CombineMode = Literal["overlapped", "serial"]
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    """This process's place in the expert-parallel group (the default process group: one node)."""
+
+    rank: int
+    size: int
+    combine: CombineMode = "overlapped"
+
+    def experts(self, num_experts: int) -> tuple[int, int]:
+        return expert_range(num_experts, self.rank, self.size)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over rows with variable splits; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        ctx.splits = (out_splits, in_splits)
+        out = x_ND.new_empty((sum(out_splits), *x_ND.shape[1:]))
+        dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits)
+        return grad_in, None, None
+
+
+def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    return _AllToAll.apply(x_ND, out_splits, in_splits)
+
+
+class _FinishOverlappedCombine(torch.autograd.Function):
+    """Waits for the sends and receives started during the compute and returns the rows this rank
+    gets back, in source-rank order. Its inputs are the chunks computed here (ys[s] for rank s's
+    tokens), so autograd routes the reverse exchange's gradients to them."""
+
+    @staticmethod
+    def forward(ctx, pending: dict, *ys):
+        rank, recv_bufs, works = pending["rank"], pending["recv"], pending["works"]
+        for w in works:
+            w.wait()
+        ctx.y_splits = [y.shape[0] for y in ys]
+        ctx.out_splits = [b.shape[0] for b in recv_bufs]
+        parts = [ys[s] if s == rank else recv_bufs[s] for s in range(len(ys))]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = grad_out.new_empty((sum(ctx.y_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.y_splits, ctx.out_splits)
+        return (None, *grad_in.split(ctx.y_splits))
+
+
+def exchange_counts(counts_E: torch.Tensor, ep: EPGroup) -> torch.Tensor:
+    """[W, E]: every rank's slot count per expert."""
+    gathered = [torch.empty_like(counts_E) for _ in range(ep.size)]
+    dist.all_gather(gathered, counts_E.contiguous())
+    return torch.stack(gathered)
+
+
+def expert_parallel_ffn(
+    experts: nn.Module, backend: str, x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, ep: EPGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' output for this rank's expert-sorted slots, and the global load [E]."""
+    W = ep.size
+    E = counts_E.numel()
+    lo, hi = ep.experts(E)
+    counts_WE = exchange_counts(counts_E, ep)
+    send_splits = counts_E.view(W, -1).sum(1).tolist()  # slots to each rank (experts are contiguous)
+    recv_WL = counts_WE[:, lo:hi]
+    recv_splits = recv_WL.sum(1).tolist()
+    x_recv_RD = all_to_all(x_sorted_SD, recv_splits, send_splits)
+    chunks = x_recv_RD.split(recv_splits)
+
+    overlapped = ep.combine == "overlapped"
+    if overlapped:
+        recv_bufs = [x_sorted_SD.new_empty((send_splits[s], x_sorted_SD.shape[1])) for s in range(W)]
+        works = [dist.irecv(recv_bufs[s], src=s) for s in range(W) if s != ep.rank and send_splits[s]]
+        sent = []  # an in-flight isend's buffer must outlive it
+    ys: list[torch.Tensor | None] = [None] * W
+    for s in [(ep.rank + i) % W for i in range(1, W + 1)]:  # remote-bound chunks first, own last
+        offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=x_sorted_SD.device)
+        offsets_L1[1:] = torch.cumsum(recv_WL[s].to(offsets_L1.device), 0)
+        ys[s] = experts(chunks[s], offsets_L1, backend)
+        if overlapped and s != ep.rank and ys[s].shape[0]:
+            sent.append(ys[s].detach().contiguous())
+            works.append(dist.isend(sent[-1], dst=s))
+    if overlapped:
+        y_SD = _FinishOverlappedCombine.apply({"rank": ep.rank, "recv": recv_bufs, "works": works, "sent": sent}, *ys)
+    else:
+        y_SD = all_to_all(torch.cat(ys), send_splits, recv_splits)
+    return y_SD, counts_WE.sum(0)
+
+
+def shard_experts(model: nn.Module, ep: EPGroup) -> nn.Module:
+    """Cut every MoE layer of `model` to this rank's experts, in place (see shard_moe)."""
+    for moe in model.moe_layers:
+        shard_moe(moe, ep)
+    return model
+
+
+def shard_moe(moe: nn.Module, ep: EPGroup) -> nn.Module:
+    """Cut an MoE layer's experts to this rank's contiguous range, in place, and mark the layer
+    expert-parallel. Parameters and buffers keep their names, with E/W rows instead of E."""
+    lo, hi = ep.experts(moe.num_experts)
+    module = moe.experts
+    for name, p in list(module.named_parameters(recurse=False)):
+        setattr(module, name, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+    for name, b in list(module.named_buffers(recurse=False)):
+        if b.ndim and name not in ("quant_map", "nested_quant_map"):
+            module._buffers[name] = b[lo:hi].clone()
+    if hasattr(module, "num_experts"):
+        module.num_experts = hi - lo
+    moe.ep = ep
+    return moe
