@@ -105,6 +105,15 @@ def test_add_dense_lora_refuses_layers_the_model_does_not_have():
         add_dense_lora.plan(model_config(dense_lora=DenseLoRAConfig()), AddDenseLoRAArgs())
 
 
+def test_a_recipe_naming_an_unknown_layer_for_dense_lora_fails_validation_listing_the_valid_ones():
+    raw = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "dense_lora": {"target_modules": ["wq", "router"]}}, "stages": [{"name": "a", "steps": 1}]}
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(raw)
+    assert "model.dense_lora" in str(err.value) and "wq, wk, wv, wo, w_gate, w_up, w_down, lm_head" in str(err.value)
+    raw["model"]["dense_lora"]["target_modules"] = ["wq", "lm_head"]
+    assert recipe_from_dict(raw).model.dense_lora.target_modules == ("wq", "lm_head")
+
+
 def test_a_dense_lora_config_survives_a_checkpoints_plain_dict_and_the_model_loads_strictly():
     cfg = model_config(dense_lora=DenseLoRAConfig(r=2, lora_alpha=4.0, target_modules=("wk", "wo")))
     plain = to_plain(cfg)

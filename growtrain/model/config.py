@@ -20,6 +20,10 @@ class ExpertLoRAConfig:
         return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
 
 
+# The dense nn.Linear modules of a GrowLM (attention; dense SwiGLU FFNs and shared experts; LM head).
+DENSE_LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+
+
 @dataclass(frozen=True)
 class DenseLoRAConfig:
     """peft LoRA on dense Linear layers: bases frozen, adapters trained (field names as in peft's LoraConfig)."""
@@ -35,6 +39,9 @@ class DenseLoRAConfig:
     def __post_init__(self):
         if isinstance(self.target_modules, list):  # from a checkpoint's plain-dict model_config
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        unknown = [t for t in self.target_modules if t not in DENSE_LINEAR_NAMES]
+        if unknown or not self.target_modules:
+            raise ValueError(f"dense_lora.target_modules {list(self.target_modules)}: each must be one of {', '.join(DENSE_LINEAR_NAMES)}")
 
     def peft_config(self):
         from growtrain.model.dense_lora import import_peft
