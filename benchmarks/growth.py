@@ -1,6 +1,8 @@
 """Grown vs from scratch at equal training FLOPs: a recipe's model grown through its stages, against
 its final-stage shape trained from scratch on the same data, optimizer and seed for the same
-number of (counted) training FLOPs; both final held-out losses.
+number of (counted) training FLOPs; both final held-out losses. A final shape with NF4 experts
+(quantize_experts) or peft adapters is trained from scratch in full precision: frozen random 4-bit
+bases would measure nothing.
 
     python benchmarks/growth.py                        # recipes/tiny.yaml, a table
     python benchmarks/growth.py --json                 # {"grown_loss": a, "scratch_loss": b, "flops": f}
@@ -119,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             grad_accum=last.grad_accum,
             schedule=replace(first, peak_lr=0.0, warmup_steps=min(first.warmup_steps, steps - 1), min_lr_ratio=last.schedule.min_lr_ratio),
         )
-        scratch_recipe = replace(recipe, name=f"{recipe.name}-scratch", model=final, stages=(scratch_stage,))
+        scratch_model = final.with_changes(dense_lora=None)
+        if final.moe is not None and final.moe.expert_format != "full":
+            scratch_model = scratch_model.with_changes(moe=replace(final.moe, expert_format="full"))
+        scratch_recipe = replace(recipe, name=f"{recipe.name}-scratch", model=scratch_model, stages=(scratch_stage,))
         t0 = time.perf_counter()
         scratch = run(scratch_recipe, out / "scratch", log=lambda msg: None)
         scratch_s = time.perf_counter() - t0

@@ -41,9 +41,10 @@ def _has_nf4_experts(model: GrowLM) -> bool:
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
-    """The model config the adapters apply to: experts in full precision."""
+    """The model config the adapters apply to: experts in full precision, no peft wrappers."""
     from dataclasses import replace
 
+    cfg = cfg.with_changes(dense_lora=None)
     if cfg.moe is None or cfg.moe.expert_format == "full":
         return cfg
     return cfg.with_changes(moe=replace(cfg.moe, expert_format="full"))

@@ -45,6 +45,15 @@ def plan_stage_models(seed: ModelConfig, grows) -> list[ModelConfig]:
     for i, steps in enumerate(grows):
         for j, step in enumerate(steps):
             op = get_operator(step.op)
+            if cfg.dense_lora is not None:
+                # One refusal for every operator: they map parameters by growtrain's names, which
+                # peft has renamed (base_layer, lora_A.default, ...).
+                raise GrowthPlanError(
+                    f"{step.op}: the model holds peft LoRA on its dense layers at this point (add_dense_lora, or model.dense_lora), "
+                    "and growth operators cannot act on a peft-wrapped model; move add_dense_lora after the last growth step",
+                    i,
+                    j,
+                )
             try:
                 cfg = op.plan(cfg, step.args)
             except GrowthPlanError as exc:

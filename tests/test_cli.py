@@ -161,8 +161,8 @@ def test_validate_a_file_that_is_not_utf8_exits_2(tmp_path, capsys):
 def test_validate_the_tiny_recipe_exits_0_and_summarizes_its_stages(capsys):
     assert main(["validate", str(TINY)]) == 0
     out = capsys.readouterr().out
-    assert "ok" in out and "3 stage(s)" in out
-    assert "deep: 4 blocks" in out
+    assert "ok" in out and "4 stage(s)" in out
+    assert "deep: 4 blocks" in out and "nf4: 4 blocks" in out
 
 
 def test_validate_reports_a_bad_override(capsys):

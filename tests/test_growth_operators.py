@@ -687,7 +687,7 @@ def test_clip_norm_with_unit_weights_is_the_plain_norm_bit_for_bit():
 # ---------------------------------------------------------------- the tiny recipe's plan
 
 
-def test_the_tiny_recipe_grows_dense_to_moe_to_deeper_to_256_experts_with_exact_operators_only():
+def test_the_tiny_recipe_grows_dense_to_moe_to_deeper_to_256_nf4_experts_with_one_approximate_step():
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml")
     seed = recipe.model.with_changes(vocab_size=256)
     shapes = plan_stage_models(seed, [s.grow for s in recipe.stages])
@@ -696,15 +696,19 @@ def test_the_tiny_recipe_grows_dense_to_moe_to_deeper_to_256_experts_with_exact_
     assert shapes[-1].n_layers > shapes[1].n_layers
     last = shapes[-1]
     assert last.moe.num_experts >= 256 and last.moe.expert_hidden % 64 == 0
+    assert [s.moe.expert_format for s in shapes[1:]] == ["full", "full", "nf4"], "the last stage trains NF4 experts + LoRA"
     ops = [(step.op, step.args) for s in recipe.stages for step in s.grow]
-    assert all(get_operator(name).is_exact(args) for name, args in ops), ops
-    # Splits keep the experts' parameters while the expert count grows (the routers gain rows).
+    approximate = [name for name, args in ops if not get_operator(name).is_exact(args)]
+    assert approximate == ["quantize_experts"], ops
+    # The split after quantize_experts cuts the 4-bit codes without requantizing (plan-time checked).
+    assert [name for name, _ in ops][-2:] == ["quantize_experts", "split_experts"]
+    # Full-precision splits keep the experts' parameters while the expert count grows (the routers gain rows).
     cfg, counts = shapes[1], []
     for name, args in ops[1:]:
         cfg = get_operator(name).plan(cfg, args)
-        if name == "split_experts":
+        if name == "split_experts" and cfg.moe.expert_format == "full":
             counts.append(planned_param_count(cfg) - cfg.moe.num_experts * cfg.d_model * len(cfg.moe_layers))
-    assert len(set(counts)) == 1 and cfg == last
+    assert len(counts) == 2 and len(set(counts)) == 1 and cfg == last
 
 
 # ---------------------------------------------------------------- end to end

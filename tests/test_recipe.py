@@ -64,12 +64,13 @@ def assert_no_duplicates(problems: list[str]) -> None:
 # Loading and validation
 
 
-def test_tiny_recipe_loads_with_its_three_stages():
+def test_tiny_recipe_loads_with_its_four_stages():
     recipe = load_recipe(TINY)
     assert isinstance(recipe, Recipe)
-    assert [s.name for s in recipe.stages] == ["dense", "moe", "deep"]
+    assert [s.name for s in recipe.stages] == ["dense", "moe", "deep", "nf4"]
     assert [g.op for g in recipe.stages[1].grow] == ["upcycle_moe"]
     assert recipe.stages[2].grow[0].args.after == (0, 1)
+    assert [g.op for g in recipe.stages[3].grow] == ["quantize_experts", "split_experts"]
 
 
 def test_typos_are_reported_with_the_nearest_valid_key():
@@ -274,7 +275,7 @@ def test_bad_override_paths_are_reported():
     with pytest.raises(RecipeError) as info:
         load_recipe(TINY, ["stages.9.steps=5", "name.x=1", "model.d_modle=64", "noequals"])
     problems = info.value.problems
-    assert "has no item 9 (it has 3)" in one(problems, r"^--set stages\.9\.steps")
+    assert "has no item 9 (it has 4)" in one(problems, r"^--set stages\.9\.steps")
     assert "is not a section" in one(problems, r"^--set name\.x")
     assert "did you mean 'd_model'?" in one(problems, r"^model\.d_modle \(--set\)")
     assert "expected key.path=value" in one(problems, r"noequals")
@@ -354,7 +355,8 @@ def test_each_stage_rewarms_from_its_own_first_step():
     recipe = load_recipe(TINY)
     base = recipe.optimizer.lr
     for s in recipe.stages:
-        w = s.schedule.warmup_steps
-        assert s.lr(0, base) == pytest.approx(base / w), s.name
-        assert s.lr(w - 1, base) == pytest.approx(base), s.name
-        assert s.lr(s.steps - 1, base) == pytest.approx(base * s.schedule.min_lr_ratio), s.name
+        w, peak = s.schedule.warmup_steps, s.schedule.peak_lr or base
+        assert s.lr(0, base) == pytest.approx(peak / w), s.name
+        assert s.lr(w - 1, base) == pytest.approx(peak), s.name
+        assert s.lr(s.steps - 1, base) == pytest.approx(peak * s.schedule.min_lr_ratio), s.name
+    assert recipe.stages[-1].lr(4, base) == pytest.approx(1.5e-3)  # the NF4 stage's own peak

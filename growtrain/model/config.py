@@ -20,6 +20,42 @@ class ExpertLoRAConfig:
         return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
 
 
+# The dense nn.Linear modules of a GrowLM (attention; dense SwiGLU FFNs and shared experts; LM head).
+DENSE_LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+
+
+@dataclass(frozen=True)
+class DenseLoRAConfig:
+    """peft LoRA on dense Linear layers: bases frozen, adapters trained (field names as in peft's LoraConfig)."""
+
+    r: int = field(default=16, metadata={"doc": "LoRA rank.", "ge": 1})
+    lora_alpha: float = field(default=16.0, metadata={"doc": "LoRA alpha (scale lora_alpha / r).", "gt": 0.0})
+    use_rslora: bool = field(default=False, metadata={"doc": "rsLoRA: scale lora_alpha / sqrt(r)."})
+    target_modules: tuple[str, ...] = field(
+        default=("wq", "wk", "wv", "wo"),
+        metadata={"doc": "Names of the nn.Linear modules to adapt (peft suffix match): wq, wk, wv, wo, w_gate, w_up, w_down (dense FFN and shared expert), lm_head."},
+    )
+
+    def __post_init__(self):
+        if isinstance(self.target_modules, list):  # from a checkpoint's plain-dict model_config
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        unknown = [t for t in self.target_modules if t not in DENSE_LINEAR_NAMES]
+        if unknown or not self.target_modules:
+            raise ValueError(f"dense_lora.target_modules {list(self.target_modules)}: each must be one of {', '.join(DENSE_LINEAR_NAMES)}")
+
+    def peft_config(self):
+        from growtrain.model.dense_lora import import_peft
+
+        return import_peft().LoraConfig(
+            r=self.r,
+            lora_alpha=self.lora_alpha,
+            use_rslora=self.use_rslora,
+            target_modules=list(self.target_modules),
+            lora_dropout=0.0,  # the reversible backward recomputes F: dropout would draw a different mask
+            bias="none",
+        )
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """One routed-expert FFN layer (DESIGN.md §4)."""
@@ -92,6 +128,18 @@ class ModelConfig:
             "false: plain autograd."
         },
     )
+    dense_lora: DenseLoRAConfig | None = field(
+        default=None,
+        metadata={
+            "doc": "peft LoRA on dense Linear layers (attention by default): their bases freeze, the adapters train. "
+            "Growth operators cannot act on a peft-wrapped model, so it is the model's last form: set it with the "
+            "add_dense_lora operator in the last stage that grows (here only for a recipe that never grows)."
+        },
+    )
+
+    def __post_init__(self):
+        if isinstance(self.dense_lora, dict):  # from a checkpoint's plain-dict model_config
+            object.__setattr__(self, "dense_lora", DenseLoRAConfig(**self.dense_lora))
 
     @property
     def kv_heads(self) -> int:

@@ -1,5 +1,8 @@
 """peft LoRA on the dense Linear layers (attention projections by default), through peft itself
-(`peft.inject_adapter_in_model`): the base weights are frozen, and the adapters train.
+(`peft.inject_adapter_in_model`): the base weights are frozen, and the adapters train. A model
+whose config sets `dense_lora` (DenseLoRAConfig, in growtrain/model/config.py) is wrapped when it is
+built, so a checkpoint of it loads strictly into a freshly built one; the add_dense_lora growth
+operator (stages/operators/dense_lora.py) sets it mid-recipe.
 
 peft renames what it wraps (`f.attn.wq.weight` becomes `f.attn.wq.base_layer.weight`, next to
 `f.attn.wq.lora_A.default.weight` and `...lora_B.default.weight`), so a wrapped model is the last
@@ -11,11 +14,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from dataclasses import dataclass, field
 
 from torch import nn
 
 from growtrain.kernels.nf4_reference import _silence_bitsandbytes_start_up
+from growtrain.model.config import DenseLoRAConfig
+
+__all__ = ["DenseLoRAConfig", "apply_dense_lora", "import_peft", "is_peft_wrapped", "refuse_peft_wrapped"]
 
 
 def import_peft():
@@ -35,28 +40,6 @@ def import_peft():
     import peft
 
     return peft
-
-
-@dataclass(frozen=True)
-class DenseLoRAConfig:
-    """peft LoRA on dense Linear layers (field names as in peft's LoraConfig)."""
-
-    r: int = field(default=16, metadata={"doc": "LoRA rank.", "ge": 1})
-    lora_alpha: float = field(default=16.0, metadata={"doc": "LoRA alpha (scale lora_alpha / r).", "gt": 0.0})
-    use_rslora: bool = field(default=False, metadata={"doc": "rsLoRA: scale lora_alpha / sqrt(r)."})
-    target_modules: tuple[str, ...] = field(
-        default=("wq", "wk", "wv", "wo"), metadata={"doc": "Names of the nn.Linear modules to adapt (peft suffix match)."}
-    )
-
-    def peft_config(self):
-        return import_peft().LoraConfig(
-            r=self.r,
-            lora_alpha=self.lora_alpha,
-            use_rslora=self.use_rslora,
-            target_modules=list(self.target_modules),
-            lora_dropout=0.0,  # the reversible backward recomputes F: dropout would draw a different mask
-            bias="none",
-        )
 
 
 def apply_dense_lora(model: nn.Module, cfg: DenseLoRAConfig, adapter_name: str = "default") -> nn.Module:

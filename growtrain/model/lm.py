@@ -1,7 +1,8 @@
 """The growtrain language model (DESIGN.md §4): embeddings, a stack of RevNet-style additive
 coupling blocks over two fp32 residual streams, final norm, untied LM head. With
 `config.reversible` (the default) a training forward keeps no per-block activations: the backward
-rebuilds them from the block outputs (growtrain/model/reversible.py).
+rebuilds them from the block outputs (growtrain/model/reversible.py). With `config.dense_lora` the
+dense Linear layers it names are wrapped by peft LoRA when the model is built.
 
 Legend: B batch, T sequence, D d_model, V vocabulary.
 """
@@ -82,6 +83,12 @@ class GrowLM(nn.Module):
         self.final_norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_own_weights()
+        if config.dense_lora is not None:
+            # Wrapped at build time (peft renames the wrapped weights), so a checkpoint of a wrapped
+            # model loads strictly into GrowLM(its config), as resume and export do.
+            from growtrain.model.dense_lora import apply_dense_lora
+
+            apply_dense_lora(self, config.dense_lora)
 
     def _init_own_weights(self) -> None:
         nn.init.normal_(self.embed.weight, mean=0.0, std=self.config.init_std)
@@ -93,6 +100,9 @@ class GrowLM(nn.Module):
             if module is not self and hasattr(module, "reset_parameters"):
                 if not isinstance(module, (nn.Embedding, nn.Linear)):
                     module.reset_parameters()
+            if hasattr(module, "reset_lora_parameters"):  # a peft LoRA layer (dense_lora): A as peft draws it, B zero
+                for adapter in module.lora_A:
+                    module.reset_lora_parameters(adapter, True)
         self._init_own_weights()
 
     @property

@@ -350,6 +350,22 @@ def stack_state(m: str, stack: NF4Stack) -> dict[str, torch.Tensor]:
     return out
 
 
+def state_stack(m: str, state: dict[str, torch.Tensor], rows: int, cols: int) -> NF4Stack:
+    """Inverse of `stack_state`: matrix m's NF4Stack from NF4Experts buffers (names relative to the
+    experts module, [rows, cols] per expert in the stored layout)."""
+    dq = f"{m}_nested_absmax" in state
+    return NF4Stack(
+        codes_EP=state[f"{m}_codes"],
+        absmax_EA=state[f"{m}_absmax"],
+        quant_map=state["quant_map"].float(),
+        rows=rows,
+        cols=cols,
+        nested_absmax_EM=state[f"{m}_nested_absmax"].float() if dq else None,
+        offset_E=state[f"{m}_offset"].float() if dq else None,
+        nested_quant_map=state["nested_quant_map"].float() if dq else None,
+    )
+
+
 def fresh_adapters(matrix: str, num_experts: int, d_model: int, hidden: int, r: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B) as `NF4Experts.reset_adapters` draws them, drawn on the CPU (the same draws whatever
     the device) and put on `like`'s device and dtype."""

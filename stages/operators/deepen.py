@@ -4,6 +4,11 @@ A block whose attention out-projection and FFN/expert down-projections are zero 
 either stream (y1 = x1 + 0, y2 = x2 + 0), so the grown model computes the same logits. The other
 weights are copied from the block before it ('copy') or drawn fresh ('fresh'); either way the new
 block's parameters are new parameters with fresh optimizer state and their own step count.
+
+NF4 experts (growtrain/model/nf4.py): a new MoE block's down-projection is an exactly zero NF4
+base (its codes kept, its block scales zeroed: nf4_zeros_like) plus a LoRA pair with B = 0. The
+base is frozen, so until merge_adapters folds the adapter into it, that block's experts write to
+the stream only through their rank-r down-projection adapters.
 """
 
 from __future__ import annotations
@@ -14,10 +19,17 @@ from typing import Literal
 import torch
 
 from growtrain.model.config import ModelConfig
+from growtrain.model.nf4 import nf4_zeros_like, stack_state, state_stack
 from growtrain.stages.common import fresh_state, materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
-_OUTPUT_PROJECTIONS = ("f.attn.wo.weight", "g.ffn.w_down.weight", "g.ffn.experts.w_down", "g.ffn.shared.w_down.weight")
+_OUTPUT_PROJECTIONS = (
+    "f.attn.wo.weight",
+    "g.ffn.w_down.weight",
+    "g.ffn.experts.w_down",
+    "g.ffn.experts.w_down_lora_B",  # NF4 experts: their zero base is set below
+    "g.ffn.shared.w_down.weight",
+)
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,13 @@ def apply(model, args: DeepenArgs) -> Growth:
             new[name] = torch.zeros_like(new[name])
         if neighbour in params:
             provenance[name] = Provenance("new", neighbour if args.init == "copy" else None)
+    if new_cfg.moe is not None and new_cfg.moe.expert_format == "nf4":
+        for index in inserted:
+            if new_cfg.is_moe_layer(index):
+                prefix = f"blocks.{index}.g.ffn.experts."
+                local = {k[len(prefix) :]: v for k, v in new.items() if k.startswith(prefix)}
+                zero = nf4_zeros_like(state_stack("w_down", local, new_cfg.moe.expert_hidden, new_cfg.d_model))
+                new.update({prefix + k: v for k, v in stack_state("w_down", zero).items()})
     # Carried blocks compute what they did; the inserted identity blocks have no counterpart.
     return Growth(materialize(new_cfg, new), provenance, blocks=new_to_old)
 

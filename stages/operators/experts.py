@@ -30,6 +30,25 @@ siblings of fewer parents: the function changes, and the checks measure by how m
 state: experts and router rows β = 1, S = m (the siblings share the parent's moments); redrawn
 neurons start fresh with their own step count.
 
+NF4 experts (quantize_experts; growtrain/model/nf4.py) are cut and copied on their 4-bit codes and
+quantization state, never requantized, so the bases of the children dequantize bit for bit to the
+parent's rows (split ×f):
+- split: child j takes rows [j·F/f, (j+1)·F/f) of every stored matrix (w_down is stored
+  transposed, [F, D], so its neuron slice is a row slice too), and the down-projection's ×f scales
+  only the absmax (nf4_scale: exact for powers of two, so factor must be one). A slice is exact
+  only where it starts on a quantization block: each child's matrix, F/f × D elements, must be a
+  multiple of 64, and with double quantization of 64 · 256 = 16384 (the nested absmax blocks);
+  otherwise the plan refuses, naming the size needed (no silent requantization). The LoRA pairs
+  split so that each child's product is its parent's restricted to its neurons: gate/up B
+  [E, F, r] is sliced by rows (β = 1, S = 1, like the base rows) and A [E, r, D] shared by the f
+  children; down A [E, r, F] is sliced by columns and ×f (β = f, S = f, like the full-precision
+  down-projection) and B [E, D, r] shared. A shared factor gets β = 1, S = f, as the router rows:
+  its children's gradients are shares that sum to the parent's.
+- clone: children copy their parent's codes and quantization state (nf4_take_experts) and its
+  LoRA pair (β = 1, S = m). Drop-upcycling is refused (reinit_fraction must be 0): a redrawn
+  neuron of a frozen base would stay random for good, only its rank-r adapter training, and it
+  would need requantizing; clones diverge through router_noise and their own adapters.
+
 Legend: E experts, F expert hidden width, D d_model.
 """
 
@@ -39,8 +58,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from growtrain.kernels.nf4_reference import NESTED_BLOCKSIZE, NF4_BLOCKSIZE
 from growtrain.model.config import ModelConfig
-from growtrain.stages.common import along_hidden, materialize, pick_neurons, redraw_neurons, require_full_experts, sibling_copies
+from growtrain.model.nf4 import MATRICES, nf4_cat_experts, nf4_scale, nf4_slice_rows, nf4_take_experts, row_slice_problem, stack_state
+from growtrain.stages.common import along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -68,6 +89,10 @@ def moe_blocks(cfg: ModelConfig) -> list[int]:
     return sorted(cfg.moe_layers) if cfg.moe is not None else []
 
 
+def is_nf4(cfg: ModelConfig) -> bool:
+    return cfg.moe is not None and cfg.moe.expert_format == "nf4"
+
+
 def expert_param(name: str, cfg: ModelConfig) -> tuple[int, str] | None:
     """(block, what) for a routed-expert weight, router weight or balance bias; None otherwise."""
     parts = name.split(".")
@@ -86,10 +111,13 @@ def expert_param(name: str, cfg: ModelConfig) -> tuple[int, str] | None:
 def plan_split(cfg: ModelConfig, args: SplitExpertsArgs) -> ModelConfig:
     if cfg.moe is None or not cfg.moe_layers:
         raise GrowthPlanError("split_experts: the model has no MoE layer to split (upcycle_moe first)")
-    require_full_experts(cfg, "split_experts")
     f, moe = args.factor, cfg.moe
     if moe.expert_hidden % f:
         raise GrowthPlanError(f"split_experts: expert_hidden {moe.expert_hidden} is not divisible by the factor {f}")
+    if is_nf4(cfg):
+        problem = nf4_split_problem(cfg.d_model, moe.expert_hidden, f, moe.double_quant)
+        if problem:
+            raise GrowthPlanError(f"split_experts: {problem}")
     return cfg.with_changes(
         moe=replace(
             moe,
@@ -99,6 +127,28 @@ def plan_split(cfg: ModelConfig, args: SplitExpertsArgs) -> ModelConfig:
             balance_bias_rate=_bias_scale(moe, f) * moe.balance_bias_rate,
         )
     )
+
+
+def nf4_split_problem(d_model: int, hidden: int, f: int, double_quant: bool) -> str | None:
+    """Why NF4 experts of hidden width `hidden` cannot be split f-fold bit-exactly (None: they can)."""
+    if f & (f - 1):
+        return (
+            f"factor {f} on NF4 experts: the down-projection's ×{f} is exact on the codes only for powers of two "
+            "(it scales the absmax); use factor 2 or 4, or split before quantize_experts"
+        )
+    rows = hidden // f
+    for j in range(f):
+        problem = row_slice_problem(hidden, d_model, j * rows, (j + 1) * rows, double_quant)
+        if problem:
+            need = NF4_BLOCKSIZE * NESTED_BLOCKSIZE if double_quant else NF4_BLOCKSIZE
+            why = f"{NESTED_BLOCKSIZE} nested absmax blocks of {NF4_BLOCKSIZE}" if double_quant else "the quantization block"
+            alternatives = "split before quantize_experts, quantize with double_quant: false (then multiples of 64 suffice), or " if double_quant else "split before quantize_experts, or "
+            return (
+                f"the NF4 experts' {hidden} x {d_model} matrices cannot be cut into {f} children without requantizing "
+                f"(child {j}: {problem}). Each child's matrix, expert_hidden / factor x d_model = {rows} x {d_model} = {rows * d_model} "
+                f"elements, must be a multiple of {need} ({why}); {alternatives}choose expert_hidden and d_model so that it is"
+            )
+    return None
 
 
 def _bias_scale(moe, children: int) -> float:
@@ -129,6 +179,8 @@ def apply_split(model, args: SplitExpertsArgs) -> Growth:
                 provenance[name] = Provenance("carried", name)
             continue
         what = where[1]
+        if is_nf4(old_cfg) and not what.startswith("router."):
+            continue  # _split_nf4 below
         transform = _split_transform(what, f)
         beta = float(f) if what == "w_down" else 1.0
         new[name] = transform(w) * beta if beta != 1.0 else transform(w)
@@ -136,8 +188,38 @@ def apply_split(model, args: SplitExpertsArgs) -> Growth:
             new[name] = new[name] * _bias_scale(old_cfg.moe, f)
         if name in params:
             provenance[name] = Provenance("copy", name, transform, copies=1.0 if what in ("w_gate", "w_up") else float(f), beta=beta)
+    if is_nf4(old_cfg):
+        for b in moe_blocks(old_cfg):
+            _split_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", f, new, provenance)
     parent = torch.arange(f * E) % E
     return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)})
+
+
+def _tile(f: int):
+    return lambda t: t.repeat((f,) + (1,) * (t.ndim - 1))  # child j·E + e = e
+
+
+def _split_nf4(experts, prefix: str, f: int, new: dict, provenance: dict) -> None:
+    """An NF4Experts module's children (see the module docstring), written into `new` under `prefix`."""
+    rows = experts.hidden // f
+    for m in MATRICES:
+        children = nf4_cat_experts([nf4_slice_rows(experts.stack(m), j * rows, (j + 1) * rows) for j in range(f)])
+        if m == "w_down":
+            children = nf4_scale(children, float(f))
+        new.update({prefix + k: v for k, v in stack_state(m, children).items()})
+        # The factor indexed by the neurons is sliced (gate/up B's rows, down A's columns: the
+        # transforms of the full-precision w_gate and w_down); the other is shared by the children.
+        for part, neurons in (("A", m == "w_down"), ("B", m != "w_down")):
+            name = prefix + f"{m}_lora_{part}"
+            w = getattr(experts, f"{m}_lora_{part}").detach()
+            if neurons:
+                transform = _split_transform("w_down" if m == "w_down" else "w_gate", f)
+                beta = float(f) if m == "w_down" else 1.0
+                new[name] = transform(w) * beta if beta != 1.0 else transform(w)
+                provenance[name] = Provenance("copy", name, transform, copies=beta, beta=beta)
+            else:
+                new[name] = _tile(f)(w)
+                provenance[name] = Provenance("copy", name, _tile(f), copies=float(f), beta=1.0)
 
 
 # ---------------------------------------------------------------- clone_experts
@@ -146,8 +228,13 @@ def apply_split(model, args: SplitExpertsArgs) -> Growth:
 def plan_clone(cfg: ModelConfig, args: CloneExpertsArgs) -> ModelConfig:
     if cfg.moe is None or not cfg.moe_layers:
         raise GrowthPlanError("clone_experts: the model has no MoE layer to clone (upcycle_moe first)")
-    require_full_experts(cfg, "clone_experts")
     moe = cfg.moe
+    if is_nf4(cfg) and args.reinit_fraction > 0:
+        raise GrowthPlanError(
+            f"clone_experts: reinit_fraction {args.reinit_fraction:g} would redraw neurons of frozen NF4 bases, which would stay random "
+            "for good (only their rank-r adapters train) and need requantizing; set reinit_fraction: 0 on NF4 experts (the clones "
+            "still diverge through router_noise and their own adapters), or clone before quantize_experts"
+        )
     return cfg.with_changes(
         moe=replace(moe, num_experts=moe.num_experts * args.factor, balance_bias_rate=_bias_scale(moe, args.factor) * moe.balance_bias_rate)
     )
@@ -160,8 +247,9 @@ def apply_clone(model, args: CloneExpertsArgs) -> Growth:
     parent = torch.arange(m * E) % E
     first = torch.arange(m * E) < E
     params = {n for n, _ in model.named_parameters()}
-    tile = lambda t: t.repeat((m,) + (1,) * (t.ndim - 1))  # noqa: E731  (child j·E + e = e)
-    redraw = {b: pick_neurons(m * E, F, args.reinit_fraction, skip=first) for b in moe_blocks(old_cfg)}
+    tile = _tile(m)
+    nf4 = is_nf4(old_cfg)
+    redraw = {} if nf4 else {b: pick_neurons(m * E, F, args.reinit_fraction, skip=first) for b in moe_blocks(old_cfg)}
     new, provenance = {}, {}
     for name, w in model.state_dict().items():
         where = expert_param(name, old_cfg)
@@ -184,12 +272,27 @@ def apply_clone(model, args: CloneExpertsArgs) -> Growth:
             if name in params:
                 provenance[name] = Provenance("copy", name, tile, copies=float(m), beta=1.0)
             continue
+        if nf4:
+            continue  # _clone_nf4 below
         hidden_dim = 1 if what in ("w_gate", "w_up") else 2
         grown, fresh = redraw_neurons(grown, redraw[block], hidden_dim)
         new[name] = grown
         copies = along_hidden(sibling_copies(~redraw[block], parent, E), grown.shape, hidden_dim)
         provenance[name] = Provenance("copy", name, tile, copies=copies, beta=1.0, fresh=fresh)
+    if nf4:
+        for b in moe_blocks(old_cfg):
+            _clone_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", m, parent, new, provenance)
     return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)})
+
+
+def _clone_nf4(experts, prefix: str, m: int, parent, new: dict, provenance: dict) -> None:
+    """An NF4Experts module's m-fold clones: codes, quantization state and adapters copied."""
+    for mtx in MATRICES:
+        new.update({prefix + k: v for k, v in stack_state(mtx, nf4_take_experts(experts.stack(mtx), parent)).items()})
+        for part in ("A", "B"):
+            name = prefix + f"{mtx}_lora_{part}"
+            new[name] = _tile(m)(getattr(experts, f"{mtx}_lora_{part}").detach())
+            provenance[name] = Provenance("copy", name, _tile(m), copies=float(m), beta=1.0)
 
 
 register(
@@ -198,7 +301,8 @@ register(
         True,
         "E → f·E experts and top_k → f·top_k: each expert's neurons cut into f children, router rows duplicated, "
         "down-projections ×f (each child gets gate/f); exact unless the k-th and (k+1)-th router logits tie. Expert parameters "
-        "unchanged (the router gains rows).",
+        "unchanged (the router gains rows). NF4 experts: codes cut without requantizing (factor a power of two; each child's "
+        "matrix a multiple of 64 elements, 16384 with double quantization), LoRA pairs split with them.",
         SplitExpertsArgs,
         plan_split,
         apply_split,
@@ -209,7 +313,8 @@ register(
         "clone_experts",
         False,
         "E → m·E experts, top_k fixed: copies with partially redrawn neurons (drop-upcycling), router rows tiled with small noise, "
-        "siblings spread round-robin; approximate, checked against the recipe's thresholds. Parameters ×m in the experts.",
+        "siblings spread round-robin; approximate, checked against the recipe's thresholds. Parameters ×m in the experts. NF4 experts: codes and adapters copied, "
+        "reinit_fraction must be 0.",
         CloneExpertsArgs,
         plan_clone,
         apply_clone,
