@@ -1,7 +1,8 @@
 """Fault injection for the crash-and-resume tests.
 
 `GROWTRAIN_FAULT=point:n` kills the process with SIGKILL the n-th time (1-based) execution passes
-`maybe_fault(point)`; `point:n:raise` raises a RuntimeError there instead (a rank's own error). Points used: `step_mid` (between backward and optimizer step),
+`maybe_fault(point)`; `point:n:raise` raises a RuntimeError there instead (a rank's own error), and
+`point:n:hang` sleeps there for good (a stuck rank). Points used: `step_mid` (between backward and optimizer step),
 `checkpoint_mid` (some checkpoint files written, manifest not yet), `after_transition` (growth
 applied, nothing saved yet). Under torchrun, `GROWTRAIN_FAULT_RANK=r` limits the fault to rank r
 (the others see the death of a peer). Unset in normal use: one dict lookup per call.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 _hits: dict[str, int] = {}
 
@@ -30,4 +32,7 @@ def maybe_fault(point: str) -> None:
     if _hits[point] == int(count or 1):
         if action == "raise":
             raise RuntimeError(f"injected fault at {point} (GROWTRAIN_FAULT={spec})")
+        if action == "hang":
+            while True:
+                time.sleep(3600)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -179,20 +179,25 @@ def test_saved_at_ep4_resumes_at_ep2_and_in_one_process(ep_runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_stops_the_others_with_a_message_and_the_run_resumes(ep_runs, tmp_path):
+@pytest.mark.parametrize(
+    "fault,killed,resumed_from",
+    [("step_mid:8", 1, "step-00000006"), ("checkpoint_mid:2", 0, "step-00000005")],  # the 2nd: rank 0 dies mid-save of step 6
+)
+def test_a_killed_rank_stops_the_others_with_a_message_and_the_run_resumes(ep_runs, tmp_path, fault, killed, resumed_from):
     run = tmp_path / "killed"
-    env = cli_env(GROWTRAIN_FAULT="step_mid:8", GROWTRAIN_FAULT_RANK="1")
+    survivor = 1 - killed
+    env = cli_env(GROWTRAIN_FAULT=fault, GROWTRAIN_FAULT_RANK=str(killed))
     t0 = time.monotonic()
     r = growtrain_torchrun(2, "run", ep_runs["recipe"], "--out", run, env=env, timeout=120)
     elapsed = time.monotonic() - t0
     assert r.returncode != 0
-    assert "[rank 0] error: rank 0 stopped: another rank died or stopped responding" in r.stderr
+    assert f"[rank {survivor}] error: rank {survivor} stopped: another rank died or stopped responding" in r.stderr
     assert "run the same command to resume" in r.stderr
-    assert "[rank0]: Traceback" not in r.stderr
+    assert f"[rank{survivor}]: Traceback" not in r.stderr
     assert elapsed < 90, f"the surviving rank took {elapsed:.0f} s to stop"
     r = growtrain_torchrun(2, "run", ep_runs["recipe"], "--out", run)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from step-00000006" in r.stdout
+    assert f"resumed from {resumed_from}" in r.stdout
     assert losses(run) == losses(ep_runs[2]), "a resumed EP=2 run repeats the uninterrupted EP=2 run's losses"
 
 
@@ -217,6 +222,17 @@ def test_accelerate_launch_trains_as_torchrun_does(ep_runs, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "expert parallelism: 2 processes" in r.stdout
     assert losses(tmp_path / "acc") == losses(ep_runs[2])
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_fails_the_others_after_the_timeout(ep_runs, tmp_path):
+    env = cli_env(GROWTRAIN_FAULT="step_mid:3:hang", GROWTRAIN_FAULT_RANK="1")
+    t0 = time.monotonic()
+    r = growtrain_torchrun(2, "run", ep_runs["recipe"], "--out", tmp_path / "stuck", "--set", "distributed.timeout_s=10", env=env, timeout=150)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "[rank 0] error: rank 0 stopped: another rank died or stopped responding" in r.stderr
+    assert elapsed < 120, f"took {elapsed:.0f} s with a 10 s collective timeout"
 
 
 def test_a_recipe_that_does_not_divide_over_the_ranks_is_refused(micro_recipe):
