@@ -19,7 +19,7 @@ from growtrain.model.expert_parallel import EPGroup, shard_moe
 from growtrain.model.moe import MoE
 
 
-def main(out: str, routing: str, expert_format: str) -> None:
+def main(out: str, routing: str, expert_format: str, precision: str = "fp32") -> None:
     dist.init_process_group("gloo")
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -43,7 +43,8 @@ def main(out: str, routing: str, expert_format: str) -> None:
 
     # The reference: every rank's tokens through the whole layer at once.
     x_ref = x_all.reshape(W * T, D).clone().requires_grad_()
-    y_ref, _ = reference(x_ref, None if route_all is None else route_all.reshape(W * T, K))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        y_ref, _ = reference(x_ref, None if route_all is None else route_all.reshape(W * T, K))
     (y_ref * g_all.reshape(W * T, D)).sum().backward()
     lo, hi = rank * E // W, (rank + 1) * E // W
 
@@ -53,7 +54,8 @@ def main(out: str, routing: str, expert_format: str) -> None:
         layer.load_state_dict(state)
         shard_moe(layer, EPGroup(rank, W, mode))
         x = x_all[rank].clone().requires_grad_()
-        y, stats = layer(x, None if route_all is None else route_all[rank])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            y, stats = layer(x, None if route_all is None else route_all[rank])
         (y * g_all[rank]).sum().backward()
         # An expert range that received no token has no gradient: zeros, as in the whole layer.
         grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in layer.named_parameters()}
@@ -97,4 +99,4 @@ def _indices(reference, x_ref, route_all, W, T, K):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

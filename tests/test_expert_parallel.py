@@ -132,18 +132,29 @@ def test_slices_saved_at_one_ep_size_assemble_at_another():
 
 
 @pytest.mark.parametrize(
-    "world,routing,fmt",
-    [(2, "topk", "full"), (4, "topk", "full"), (2, "one_rank", "full"), (4, "skewed", "full"), (2, "topk", "nf4")],
+    "world,routing,fmt,precision",
+    [
+        (2, "topk", "full", "fp32"),
+        (4, "topk", "full", "fp32"),
+        (2, "one_rank", "full", "fp32"),
+        (4, "skewed", "full", "fp32"),
+        (2, "topk", "nf4", "fp32"),
+        (4, "topk", "full", "bf16"),
+        (4, "one_rank", "full", "bf16"),  # empty chunks must travel in the autocast dtype too
+    ],
 )
-def test_overlapped_combine_equals_serial_bit_for_bit_and_the_whole_layer(tmp_path, world, routing, fmt):
+def test_overlapped_combine_equals_serial_bit_for_bit_and_the_whole_layer(tmp_path, world, routing, fmt, precision):
     out = tmp_path / "report.json"
-    r = torchrun(world, REPO / "tests" / "ep_layer_worker.py", out, routing, fmt)
+    r = torchrun(world, REPO / "tests" / "ep_layer_worker.py", out, routing, fmt, precision)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["bitwise"], "the overlapped combine must give the serial combine's output and gradients bit for bit"
     assert report["load_is_global"], "the reported load must count every rank's tokens"
-    for name, err in report["rel_err"].items():  # fp32, vs the unsharded layer on all tokens at once
-        assert err < 1e-6, f"{name}: relative error {err:.2e} vs the unsharded layer"
+    # vs the unsharded layer on all tokens at once: fp32 rounding; under bf16 autocast the expert
+    # outputs are rounded to bf16 (2^-8 relative) in a different grouping of rows.
+    tol = 1e-6 if precision == "fp32" else 2e-2
+    for name, err in report["rel_err"].items():
+        assert err < tol, f"{name}: relative error {err:.2e} vs the unsharded layer"
 
 
 # ------------------------------------------------------------------------- whole runs
@@ -158,6 +169,18 @@ def test_ep1_ep2_ep4_give_the_same_losses_across_a_split(ep_runs):
     assert meta["expert_parallel"] == {"size": 4, "files": [f"experts-{r:03d}-of-004.pt" for r in range(4)]}
     assert [h["operator"] for h in meta["growth_history"]][:3] == ["upcycle_moe", "split_experts", "clone_experts"]
     assert meta["params_total"] == json.loads((ep_runs[1] / "checkpoints/step-00000020/meta.json").read_text())["params_total"]
+
+
+@pytest.mark.slow
+def test_bf16_autocast_at_ep4_follows_the_one_process_run(ep_runs, tmp_path):
+    r = run_cli("run", ep_runs["recipe"], "--out", tmp_path / "one", "--set", "train.precision=bf16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = growtrain_torchrun(4, "run", ep_runs["recipe"], "--out", tmp_path / "ep4", "--set", "train.precision=bf16")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got, want = losses(tmp_path / "ep4"), losses(tmp_path / "one")
+    assert [s for s, *_ in got] == list(range(1, STEPS + 1))
+    for (step, a, _), (_, b, _) in zip(got, want):  # measured ≤ 1.9e-4: bf16 rounding, other row groupings
+        assert a == pytest.approx(b, rel=2e-3), f"step {step}: bf16 loss {a} at EP=4 vs {b} in one process"
 
 
 @pytest.mark.slow

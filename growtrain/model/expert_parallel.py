@@ -112,16 +112,21 @@ def expert_parallel_ffn(
     x_recv_RD = all_to_all(x_sorted_SD, recv_splits, send_splits)
     chunks = x_recv_RD.split(recv_splits)
 
+    # Every chunk travels in one dtype that every rank agrees on: the autocast dtype under autocast
+    # (an empty chunk would otherwise come back in the input's dtype, and a receiver expecting bf16
+    # would get twice the bytes).
+    device_type = x_sorted_SD.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_sorted_SD.dtype
     overlapped = ep.combine == "overlapped"
     if overlapped:
-        recv_bufs = [x_sorted_SD.new_empty((send_splits[s], x_sorted_SD.shape[1])) for s in range(W)]
-        works = [dist.irecv(recv_bufs[s], src=s) for s in range(W) if s != ep.rank and send_splits[s]]
+        recv_bufs = [x_sorted_SD.new_empty((send_splits[r], x_sorted_SD.shape[1]), dtype=out_dtype) for r in range(W)]
+        works = [dist.irecv(recv_bufs[r], src=r) for r in range(W) if r != ep.rank and send_splits[r]]
         sent = []  # an in-flight isend's buffer must outlive it
     ys: list[torch.Tensor | None] = [None] * W
     for s in [(ep.rank + i) % W for i in range(1, W + 1)]:  # remote-bound chunks first, own last
         offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=x_sorted_SD.device)
         offsets_L1[1:] = torch.cumsum(recv_WL[s].to(offsets_L1.device), 0)
-        ys[s] = experts(chunks[s], offsets_L1, backend)
+        ys[s] = experts(chunks[s], offsets_L1, backend).to(out_dtype)
         if overlapped and s != ep.rank and ys[s].shape[0]:
             sent.append(ys[s].detach().contiguous())
             works.append(dist.isend(sent[-1], dst=s))
