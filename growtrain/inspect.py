@@ -60,6 +60,7 @@ def inspect_report(path: Path) -> dict:
         },
         "stages": [{"name": s["name"], "steps": s["steps"]} for s in meta["recipe"]["stages"]],
         "wandb_id": meta.get("wandb_id"),
+        "expert_parallel": (meta.get("expert_parallel") or {}).get("size", 1),  # processes that saved it
         "transitions": transitions,
     }
 
@@ -75,6 +76,7 @@ def format_report(r: dict) -> str:
         f"parameters  {r['params_total']:,} ({m['n_layers']} blocks, d_model {m['d_model']}{moe})",
         f"loss        {r['loss']:.4f} (eval {r['eval_loss']:.4f})",
         f"wandb id    {r['wandb_id'] or '-'}",
+        f"saved by    {r['expert_parallel']} process(es)" + (" (experts in per-rank shard files; loads at any EP size that divides them)" if r["expert_parallel"] > 1 else ""),
         "",
         "growth history:" if r["transitions"] else "growth history: none yet",
     ]

@@ -273,6 +273,7 @@ def test_inspect_and_generate_read_a_checkpoint_saved_under_expert_parallelism(e
 
     r = run_cli("inspect", ep_runs[4], "--json")
     assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["expert_parallel"] == 4
     r = run_cli("generate", ep_runs[4], "--prompt", "The ", "--max-new-tokens", "8", "--seed", "1")
     assert r.returncode == 0, r.stderr
     sharded = load_checkpoint(ep_runs[4] / "checkpoints/step-00000020")
