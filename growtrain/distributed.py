@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from growtrain.expert_shards import is_expert_tensor, slice_entry
+from growtrain.expert_shards import cat_entries, is_expert_tensor, slice_entry
 from growtrain.model.expert_parallel import EPGroup, shard_experts
 from growtrain.recipe import DistributedConfig
 
@@ -214,16 +214,15 @@ class Dist:
         with torch.device("meta"):
             grown = GrowLM(model.config)
         grown.load_state_dict(full, strict=True, assign=True)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         for name, p in grown.named_parameters():  # assign=True keeps the loaded tensors' flags
-            p.requires_grad_(dict(model.named_parameters())[name].requires_grad)
+            p.requires_grad_(name in trainable)
         states: list = [None] * self.size
         dist.all_gather_object(states, {n: _fields(s) for n, s in state.items()})
         merged = {}
         for name in sorted({n for s in states for n in s}):
             pieces = [s[name] for s in states if name in s]
             if is_expert_tensor(name):
-                from growtrain.expert_shards import cat_entries
-
                 merged[name] = ParamState(**cat_entries(pieces))
             else:
                 merged[name] = ParamState(**pieces[0])
