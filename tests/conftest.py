@@ -95,6 +95,23 @@ def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.
     )
 
 
+def train_recipe(raw: dict, root: Path, name: str = "recipe") -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """Write `raw` to root/NAME.yaml and train it into root/run through the CLI (it must succeed).
+    Returns (recipe path, run dir, the finished process)."""
+    recipe = root / f"{name}.yaml"
+    recipe.write_text(yaml.safe_dump(raw, sort_keys=False))
+    out = root / "run"
+    done = run_cli("run", recipe, "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return recipe, out, done
+
+
+def growth_report(run_dir: Path) -> tuple[dict, list[tuple[str, bool, bool]]]:
+    """`growtrain inspect --json` of a run, and its transitions as (operator, exact, passed)."""
+    report = json.loads(run_cli("inspect", run_dir, "--json").stdout)
+    return report, [(t["operator"], t["exact"], t["passed"]) for t in report["transitions"]]
+
+
 def losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
     """(step, loss, eval_loss) per step from metrics.jsonl."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from conftest import MICRO, assert_same_run, cli_env, run_cli
+from conftest import MICRO, assert_same_run, cli_env, run_cli, train_recipe
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import DenseLoRAConfig
 from growtrain.model.dense_lora import is_peft_wrapped
@@ -157,14 +157,7 @@ def lora_recipe() -> dict:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    import yaml
-
-    root = tmp_path_factory.mktemp("dense-lora-reference")
-    recipe = root / "micro-dense-lora.yaml"
-    recipe.write_text(yaml.safe_dump(lora_recipe(), sort_keys=False))
-    out = root / "run"
-    done = run_cli("run", recipe, "--out", out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    recipe, out, done = train_recipe(lora_recipe(), tmp_path_factory.mktemp("dense-lora-reference"), "micro-dense-lora")
     assert "add_dense_lora (exact)" in done.stdout
     return recipe, out
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from conftest import REPO, cli_env, losses, run_cli
+from conftest import REPO, cli_env, losses, run_cli, train_recipe
 from growtrain.expert_shards import assemble, is_expert_tensor, slice_state
 
 # 20 steps: dense → upcycle block 1 into 4 experts → split them into 8 (top-4) and clone them
@@ -82,12 +81,8 @@ def assert_close_losses(got, want, what: str) -> None:
 def ep_runs(tmp_path_factory):
     """The same recipe at EP = 1 (one process), 2 and 4 (torchrun)."""
     root = tmp_path_factory.mktemp("ep")
-    recipe = root / "ep.yaml"
-    recipe.write_text(yaml.safe_dump(EP_RECIPE, sort_keys=False))
-    runs = {}
-    r = run_cli("run", recipe, "--out", root / "ep1")
-    assert r.returncode == 0, r.stderr[-3000:]
-    runs[1] = root / "ep1"
+    recipe, out, _ = train_recipe(EP_RECIPE, root, "ep")
+    runs = {1: out}
     for n in (2, 4):
         r = growtrain_torchrun(n, "run", recipe, "--out", root / f"ep{n}")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

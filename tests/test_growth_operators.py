@@ -716,9 +716,8 @@ def test_the_tiny_recipe_grows_dense_to_moe_to_deeper_to_256_nf4_experts_with_on
 
 @pytest.mark.slow
 def test_a_micro_run_through_every_new_operator_reports_each_transition_in_inspect(micro_recipe, tmp_path):
-    import json
 
-    from conftest import run_cli
+    from conftest import growth_report, run_cli
 
     stages = [
         {"name": "dense", "steps": 4, "seq_len": 32, "batch_size": 4},
@@ -741,8 +740,7 @@ def test_a_micro_run_through_every_new_operator_reports_each_transition_in_inspe
     out = tmp_path / "run"
     done = run_cli("run", recipe, "--out", out)
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(run_cli("inspect", out, "--json").stdout)
-    ops = [(t["operator"], t["exact"], t["passed"]) for t in report["transitions"]]
+    report, ops = growth_report(out)
     assert ops == [
         ("upcycle_moe", True, True),
         ("clone_experts", False, True),

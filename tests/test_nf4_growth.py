@@ -20,7 +20,6 @@ Legend: E experts, F expert hidden width, D d_model, B batch, T sequence.
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
@@ -291,7 +290,7 @@ def test_deepen_inserts_nf4_moe_blocks_with_an_exactly_zero_down_projection(init
 
 @pytest.mark.slow
 def test_a_micro_run_quantizes_the_experts_then_clones_splits_and_deepens_them_in_a_later_stage(micro_recipe, tmp_path):
-    from conftest import losses, run_cli
+    from conftest import growth_report, losses, run_cli
 
     stages = [
         {"name": "dense", "steps": 3, "seq_len": 32, "batch_size": 4},
@@ -312,8 +311,7 @@ def test_a_micro_run_quantizes_the_experts_then_clones_splits_and_deepens_them_i
     out = tmp_path / "run"
     done = run_cli("run", recipe, "--out", out)
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(run_cli("inspect", out, "--json").stdout)
-    ops = [(t["operator"], t["exact"], t["passed"]) for t in report["transitions"]]
+    report, ops = growth_report(out)
     assert ops == [
         ("upcycle_moe", True, True),
         ("quantize_experts", False, True),

@@ -9,9 +9,8 @@ import copy
 import signal
 
 import pytest
-import yaml
 
-from conftest import MICRO, assert_same_run, cli_env, run_cli
+from conftest import MICRO, assert_same_run, cli_env, run_cli, train_recipe
 
 
 pytestmark = pytest.mark.slow
@@ -37,12 +36,7 @@ def nf4_recipe() -> dict:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nf4-reference")
-    recipe = root / "micro-nf4.yaml"
-    recipe.write_text(yaml.safe_dump(nf4_recipe(), sort_keys=False))
-    out = root / "run"
-    done = run_cli("run", recipe, "--out", out)
-    assert done.returncode == 0, done.stderr
+    recipe, out, done = train_recipe(nf4_recipe(), tmp_path_factory.mktemp("nf4-reference"), "micro-nf4")
     assert "quantize_experts (approximate)" in done.stdout and "passed" in done.stdout
     return recipe, out
 

@@ -22,16 +22,9 @@ FINAL = "checkpoints/step-00000020/model.safetensors"
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, request):
     """The uninterrupted micro run, shared by the tests of this module."""
-    from conftest import MICRO
+    from conftest import MICRO, train_recipe
 
-    import yaml
-
-    root = tmp_path_factory.mktemp("reference")
-    recipe = root / "micro.yaml"
-    recipe.write_text(yaml.safe_dump(MICRO, sort_keys=False))
-    out = root / "run"
-    done = run_cli("run", recipe, "--out", out)
-    assert done.returncode == 0, done.stderr
+    recipe, out, _ = train_recipe(MICRO, tmp_path_factory.mktemp("reference"), "micro")
     return recipe, out
 
 
