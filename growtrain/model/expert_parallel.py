@@ -11,8 +11,9 @@ results back.
    remote ranks are computed first, the rank's own chunk last.
 4. Combine, two paths with the same arithmetic (so the same bits):
    - "serial": after all chunks, one `all_to_all_single` sends them back;
-   - "overlapped": receives are posted before the compute; each remote chunk is sent (`isend`) as
-     soon as it is finished, while the next one computes, so the transfer hides behind compute.
+   - "overlapped": each remote chunk is sent (`isend`, paired with the receive of the chunk the
+     ring's opposite rank sends at the same step) as soon as it is finished, while the next one
+     computes, so the transfer hides behind compute.
      On GPUs the tile-signaled producer/consumer of growtrain/kernels/combine.py plays this role at
      tile granularity; this chunk-level path runs on gloo and NCCL alike.
    The backward of both is one reverse all-to-all of the gradients.
@@ -118,18 +119,28 @@ def expert_parallel_ffn(
     device_type = x_sorted_SD.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_sorted_SD.dtype
     overlapped = ep.combine == "overlapped"
-    if overlapped:
-        recv_bufs = [x_sorted_SD.new_empty((send_splits[r], x_sorted_SD.shape[1]), dtype=out_dtype) for r in range(W)]
-        works = [dist.irecv(recv_bufs[r], src=r) for r in range(W) if r != ep.rank and send_splits[r]]
-        sent = []  # an in-flight isend's buffer must outlive it
+    recv_bufs = [x_sorted_SD.new_empty((send_splits[r], x_sorted_SD.shape[1]), dtype=out_dtype) for r in range(W)]
+    works, sent = [], []  # an in-flight isend's buffer must outlive it: `sent`
     ys: list[torch.Tensor | None] = [None] * W
-    for s in [(ep.rank + i) % W for i in range(1, W + 1)]:  # remote-bound chunks first, own last
+    for i in range(1, W + 1):  # remote-bound chunks first (ring order), own chunk last
+        s = (ep.rank + i) % W
         offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=x_sorted_SD.device)
         offsets_L1[1:] = torch.cumsum(recv_WL[s].to(offsets_L1.device), 0)
         ys[s] = experts(chunks[s], offsets_L1, backend).to(out_dtype)
-        if overlapped and s != ep.rank and ys[s].shape[0]:
-            sent.append(ys[s].detach().contiguous())
-            works.append(dist.isend(sent[-1], dst=s))
+        if overlapped and s != ep.rank:
+            # Step i of a ring: send to rank + i what was just computed, receive from rank − i,
+            # which is sending this rank its results at the same step. Pairing them in one batch
+            # keeps every rank's sends and receives in a matching order (NCCL point-to-point ops
+            # on one pair's stream would deadlock if both sides posted a receive first).
+            src = (ep.rank - i) % W
+            ops = []
+            if ys[s].shape[0]:
+                sent.append(ys[s].detach().contiguous())
+                ops.append(dist.P2POp(dist.isend, sent[-1], s))
+            if send_splits[src]:
+                ops.append(dist.P2POp(dist.irecv, recv_bufs[src], src))
+            if ops:
+                works.extend(dist.batch_isend_irecv(ops))
     if overlapped:
         y_SD = _FinishOverlappedCombine.apply({"rank": ep.rank, "recv": recv_bufs, "works": works, "sent": sent}, *ys)
     else:
