@@ -270,15 +270,21 @@ def _merge_expert_shards(path: Path, model_state: dict, trainer_state: dict, met
             shard = torch.load(path / fname, weights_only=True, map_location="cpu", mmap=True)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {path.name} is damaged ({fname}: {e})") from e
-        model_pieces.append((shard["ep_rank"], shard["ep_size"], shard["model"]))
-        optim_pieces.append((shard["ep_rank"], shard["ep_size"], {n: v for n, v in shard["optimizer"].items() if is_expert_tensor(n)}))
-        for n, v in shard["optimizer"].items():  # dense entries: each on its ZeRO-1 owner, whole
-            if not is_expert_tensor(n):
-                optimizer[n] = v
+        try:
+            model_pieces.append((shard["ep_rank"], shard["ep_size"], shard["model"]))
+            optim_pieces.append((shard["ep_rank"], shard["ep_size"], {n: v for n, v in shard["optimizer"].items() if is_expert_tensor(n)}))
+            for n, v in shard["optimizer"].items():  # dense entries: each on its ZeRO-1 owner, whole
+                if not is_expert_tensor(n):
+                    optimizer[n] = v
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint {path.name} is damaged ({fname}: not an expert shard: {e})") from e
     if len(model_pieces) != saved["size"]:
         raise CheckpointError(f"checkpoint {path.name}: {len(model_pieces)} expert shards, meta.json says {saved['size']}")
-    model_state.update(assemble(model_pieces, rank, size))
-    optimizer.update(assemble(optim_pieces, rank, size))
+    try:
+        model_state.update(assemble(model_pieces, rank, size))
+        optimizer.update(assemble(optim_pieces, rank, size))
+    except (KeyError, ValueError, IndexError) as e:  # shards that do not fit together
+        raise CheckpointError(f"checkpoint {path.name}: its expert shards do not fit together ({type(e).__name__}: {e})") from e
     trainer_state["optimizer"] = optimizer
 
 

@@ -123,6 +123,61 @@ def test_slices_saved_at_one_ep_size_assemble_at_another():
     assert torch.equal(saved[1][2]["blocks.0.g.ffn.router.weight"], full["blocks.0.g.ffn.router.weight"])  # replicated
 
 
+def _save_sharded(tmp_path, shard_of) -> Path:
+    """A checkpoint whose experts live in 4 shard files, as 4 ranks would write it."""
+    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, shard_file_name, write_shard_file
+
+    names = [shard_file_name(r, 4) for r in range(4)]
+
+    def write(tmp):
+        for r in range(4):
+            write_shard_file(tmp / names[r], shard_of(r))
+        return names
+
+    manager = CheckpointManager(tmp_path, CheckpointConfig(), log=lambda *_: None)
+    return manager.save(
+        5,
+        model_state={"blocks.0.g.ffn.router.weight": torch.ones(8, 2)},
+        trainer_state={"optimizer": {}},
+        meta={"expert_parallel": {"size": 4, "files": names}},
+        write_shards=write,
+    )
+
+
+def test_a_checkpoint_with_expert_shards_loads_at_any_size(tmp_path):
+    from growtrain.checkpoint import load_checkpoint
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 3, 2)
+    opt = {
+        "blocks.0.g.ffn.experts.w_up": {"step": 3, "exp_avg": torch.randn(8, 3, 2), "lr_mult": 1.0},
+        "blocks.0.g.ffn.router.weight": {"step": 3, "exp_avg": torch.randn(8, 2), "lr_mult": 1.0},
+    }
+
+    def shard_of(r):  # the router's moments live on its ZeRO-1 owner, rank 2
+        optimizer = slice_state({"blocks.0.g.ffn.experts.w_up": opt["blocks.0.g.ffn.experts.w_up"]}, r, 4)
+        if r == 2:
+            optimizer["blocks.0.g.ffn.router.weight"] = opt["blocks.0.g.ffn.router.weight"]
+        return {"ep_rank": r, "ep_size": 4, "model": {"blocks.0.g.ffn.experts.w_up": w[2 * r : 2 * r + 2]}, "optimizer": optimizer}
+
+    path = _save_sharded(tmp_path, shard_of)
+    whole = load_checkpoint(path)
+    assert torch.equal(whole.model_state["blocks.0.g.ffn.experts.w_up"], w)
+    assert torch.equal(whole.trainer_state["optimizer"]["blocks.0.g.ffn.experts.w_up"]["exp_avg"], opt["blocks.0.g.ffn.experts.w_up"]["exp_avg"])
+    assert torch.equal(whole.trainer_state["optimizer"]["blocks.0.g.ffn.router.weight"]["exp_avg"], opt["blocks.0.g.ffn.router.weight"]["exp_avg"])
+    half = load_checkpoint(path, expert_shard=(1, 2))
+    assert torch.equal(half.model_state["blocks.0.g.ffn.experts.w_up"], w[4:])
+    assert torch.equal(half.trainer_state["optimizer"]["blocks.0.g.ffn.experts.w_up"]["exp_avg"], opt["blocks.0.g.ffn.experts.w_up"]["exp_avg"][4:])
+
+
+def test_a_foreign_file_in_place_of_an_expert_shard_is_a_checkpoint_error(tmp_path):
+    from growtrain.checkpoint import CheckpointError, load_checkpoint
+
+    path = _save_sharded(tmp_path, lambda r: {"ep_rank": r, "something": "else"})
+    with pytest.raises(CheckpointError, match="not an expert shard"):
+        load_checkpoint(path)
+
+
 # ------------------------------------------------------------------------- one layer
 
 
