@@ -34,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from growtrain.expert_shards import cat_entries, is_expert_tensor, slice_entry
+from growtrain.model import GrowLM
 from growtrain.model.expert_parallel import EPGroup, shard_experts
+from growtrain.optim import ParamState
 from growtrain.recipe import DistributedConfig
 
 
@@ -52,6 +54,7 @@ class Dist:
         self.rank, self.size = rank, size
         self.ep = EPGroup(rank, size, combine) if size > 1 else None
         self.error_dir: Path | None = None
+        self.owner_table: dict[str, int] = {}  # of the current model, set by owned()
         # Where collectives' own tensors live: NCCL takes CUDA tensors only.
         self.device = torch.device("cuda", torch.cuda.current_device()) if size > 1 and dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -124,8 +127,8 @@ class Dist:
         """What this rank's optimizer steps: its experts and the dense parameters it owns."""
         if not self.active:
             return named_params
-        table = self.owners(named_params)
-        return {n: p for n, p in named_params.items() if is_expert_tensor(n) or table.get(n) == self.rank}
+        self.owner_table = self.owners(named_params)  # what broadcast_dense sends, until the next growth
+        return {n: p for n, p in named_params.items() if is_expert_tensor(n) or self.owner_table.get(n) == self.rank}
 
     def sync_grads(self, model: nn.Module) -> None:
         """Mean over ranks: dense gradients all-reduced, expert gradients (one replica each, summed
@@ -166,7 +169,7 @@ class Dist:
         if not self.active:
             return
         named = dict(model.named_parameters())
-        table = self.owners(named)
+        table = self.owner_table
         for owner in range(self.size):
             params = [named[n] for n in sorted(table) if table[n] == owner]
             if not params:
@@ -188,8 +191,6 @@ class Dist:
         if not self.active:
             return state
         owned = self.owned(named_params)
-        from growtrain.optim import ParamState
-
         return {n: ParamState(**slice_entry(_fields(s), self.rank, self.size)) if is_expert_tensor(n) else s for n, s in state.items() if n in owned}
 
     @torch.no_grad()
@@ -200,9 +201,6 @@ class Dist:
         operators to act on slices (not built yet)."""
         if not self.active:
             return model, state
-        from growtrain.model import GrowLM
-        from growtrain.optim import ParamState
-
         full = {}
         for name, t in model.state_dict().items():
             if is_expert_tensor(name):

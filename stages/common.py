@@ -89,3 +89,13 @@ def require_full_experts(cfg, op: str, why: str = "") -> None:
     fmt = getattr(cfg.moe, "expert_format", "full") if cfg.moe is not None else "full"
     if fmt != "full":
         raise GrowthPlanError(f"{op}: the experts are {fmt}; apply it before quantize_experts{why}")
+
+
+def carry(name: str, w: torch.Tensor, params: set[str], new: dict, provenance: dict) -> None:
+    """Keep `name` as it is in the grown model: same tensor, and for a parameter the same optimizer
+    state ('carried')."""
+    from growtrain.stages.registry import Provenance
+
+    new[name] = w
+    if name in params:
+        provenance[name] = Provenance("carried", name)

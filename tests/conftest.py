@@ -95,6 +95,19 @@ def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.
     )
 
 
+def kill_and_resume(recipe: Path, out: Path, fault: str) -> subprocess.CompletedProcess:
+    """Train `recipe` into `out` with GROWTRAIN_FAULT=fault (it must SIGKILL the run), then run the
+    same command again; returns the resumed run (it must succeed and say it resumed)."""
+    import signal
+
+    killed = run_cli("run", recipe, "--out", out, env=cli_env(GROWTRAIN_FAULT=fault))
+    assert killed.returncode == -signal.SIGKILL, f"the fault {fault} did not fire: {killed.stdout[-500:]}"
+    resumed = run_cli("run", recipe, "--out", out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    return resumed
+
+
 def train_recipe(raw: dict, root: Path, name: str = "recipe") -> tuple[Path, Path, subprocess.CompletedProcess]:
     """Write `raw` to root/NAME.yaml and train it into root/run through the CLI (it must succeed).
     Returns (recipe path, run dir, the finished process)."""

@@ -7,12 +7,11 @@ exports adapters that peft loads. CPU, tiny shapes."""
 
 from __future__ import annotations
 
-import signal
 
 import pytest
 import torch
 
-from conftest import MICRO, assert_same_run, cli_env, run_cli, train_recipe
+from conftest import MICRO, assert_same_run, kill_and_resume, run_cli, train_recipe
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import DenseLoRAConfig
 from growtrain.model.dense_lora import is_peft_wrapped
@@ -189,11 +188,7 @@ def test_a_killed_dense_lora_stage_resumes_to_the_uninterrupted_losses_and_weigh
     recipe, reference = reference_run
     out = tmp_path / "run"
     # Killed in the last step: the resume loads the wrapped model's step-24 checkpoint strictly.
-    killed = run_cli("run", recipe, "--out", out, env=cli_env(GROWTRAIN_FAULT="step_mid:26"))
-    assert killed.returncode == -signal.SIGKILL, f"the fault did not fire: {killed.stdout[-500:]}"
-    resumed = run_cli("run", recipe, "--out", out)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    kill_and_resume(recipe, out, "step_mid:26")
     final = assert_same_run(out, reference, STEPS)
     assert "blocks.1.f.attn.wv.lora_A.default.weight" in final and "blocks.1.g.ffn.experts.w_up_codes" in final
 

@@ -6,11 +6,10 @@ codes and quantization state included) bit for bit."""
 from __future__ import annotations
 
 import copy
-import signal
 
 import pytest
 
-from conftest import MICRO, assert_same_run, cli_env, run_cli, train_recipe
+from conftest import MICRO, assert_same_run, kill_and_resume, train_recipe
 
 
 pytestmark = pytest.mark.slow
@@ -48,11 +47,7 @@ def reference_run(tmp_path_factory):
 def test_a_killed_nf4_stage_resumes_to_the_uninterrupted_losses_and_weights(reference_run, tmp_path, fault):
     recipe, reference = reference_run
     out = tmp_path / "run"
-    killed = run_cli("run", recipe, "--out", out, env=cli_env(GROWTRAIN_FAULT=fault))
-    assert killed.returncode == -signal.SIGKILL, f"the fault {fault} did not fire: {killed.stdout[-500:]}"
-    resumed = run_cli("run", recipe, "--out", out)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout
+    kill_and_resume(recipe, out, fault)
 
     final = assert_same_run(out, reference, STEPS)
     assert any(k.endswith("experts.w_gate_codes") for k in final) and any(k.endswith("experts.w_down_nested_absmax") for k in final)

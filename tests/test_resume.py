@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, assert_same_run, cli_env, run_cli
+from conftest import REPO, assert_same_run, cli_env, kill_and_resume, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +42,7 @@ def reference_run(tmp_path_factory, request):
 def test_kill_and_resume_reproduces_the_uninterrupted_run(reference_run, tmp_path, fault):
     recipe, reference = reference_run
     out = tmp_path / "run"
-    killed = run_cli("run", recipe, "--out", out, env=cli_env(GROWTRAIN_FAULT=fault))
-    assert killed.returncode == -signal.SIGKILL, f"the fault {fault} did not fire: {killed.stdout[-500:]}"
-    resumed = run_cli("run", recipe, "--out", out)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout
+    kill_and_resume(recipe, out, fault)
     assert_same_run(out, reference, 20)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from growtrain.model.config import ModelConfig
 from growtrain.model.nf4 import nf4_zeros_like, stack_state, state_stack
-from growtrain.stages.common import fresh_state, materialize
+from growtrain.stages.common import carry, fresh_state, materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 _OUTPUT_PROJECTIONS = (
@@ -76,9 +76,7 @@ def apply(model, args: DeepenArgs) -> Growth:
     for name in list(new):
         parts = name.split(".")
         if parts[0] != "blocks":
-            new[name] = old[name]
-            if name in params:
-                provenance[name] = Provenance("carried", name)
+            carry(name, old[name], params, new, provenance)
             continue
         index, rest = int(parts[1]), ".".join(parts[2:])
         if index in new_to_old:

@@ -61,7 +61,7 @@ import torch
 from growtrain.kernels.nf4_reference import NESTED_BLOCKSIZE, NF4_BLOCKSIZE
 from growtrain.model.config import ModelConfig
 from growtrain.model.nf4 import MATRICES, nf4_cat_experts, nf4_scale, nf4_slice_rows, nf4_take_experts, row_slice_problem, stack_state
-from growtrain.stages.common import along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
+from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -174,9 +174,7 @@ def apply_split(model, args: SplitExpertsArgs) -> Growth:
     for name, w in model.state_dict().items():
         where = expert_param(name, old_cfg)
         if where is None:
-            new[name] = w
-            if name in params:
-                provenance[name] = Provenance("carried", name)
+            carry(name, w, params, new, provenance)
             continue
         what = where[1]
         if is_nf4(old_cfg) and not what.startswith("router."):
@@ -254,9 +252,7 @@ def apply_clone(model, args: CloneExpertsArgs) -> Growth:
     for name, w in model.state_dict().items():
         where = expert_param(name, old_cfg)
         if where is None:
-            new[name] = w
-            if name in params:
-                provenance[name] = Provenance("carried", name)
+            carry(name, w, params, new, provenance)
             continue
         block, what = where
         grown = tile(w)

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from growtrain.model.config import ModelConfig
-from growtrain.stages.common import fresh_state, materialize, new_elements, take
+from growtrain.stages.common import carry, fresh_state, materialize, new_elements, take
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 # matrix -> (dim holding the heads, query or kv heads)
@@ -81,9 +81,7 @@ def apply(model, args: AddHeadsArgs) -> Growth:
         matrix = parts[4] if parts[0] == "blocks" and parts[2:4] == ["f", "attn"] else None
         index = rows[_ATTN[matrix][1]] if matrix in _ATTN else None
         if index is None or bool((index == torch.arange(index.numel())).all()):
-            new[name] = w
-            if name in params:
-                provenance[name] = Provenance("carried", name)
+            carry(name, w, params, new, provenance)
             continue
         dim = _ATTN[matrix][0]
         transform = lambda t, dim=dim, index=index: take(t, dim, index)  # noqa: E731

@@ -27,7 +27,7 @@ from growtrain.model.config import ExpertLoRAConfig, ModelConfig
 from growtrain.model.dense_lora import refuse_peft_wrapped
 from growtrain.model.moe import NF4_EXPERT_BACKENDS
 from growtrain.model.nf4 import MATRICES, fresh_adapters, quantize_stack, stack_state, stored_layout
-from growtrain.stages.common import materialize
+from growtrain.stages.common import carry, materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -75,9 +75,7 @@ def _new_state(model, new_cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], di
     new, provenance = {}, {}
     for name in keys:
         if not name.startswith(tuple(prefixes)):
-            new[name] = old[name]
-            if name in params:
-                provenance[name] = Provenance("carried", name)
+            carry(name, old[name], params, new, provenance)
     return new, provenance, prefixes
 
 

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from growtrain.model.config import ModelConfig, MoEConfig
-from growtrain.stages.common import along_hidden, fresh_state, materialize, pick_neurons, redraw_neurons, sibling_copies
+from growtrain.stages.common import carry, along_hidden, fresh_state, materialize, pick_neurons, redraw_neurons, sibling_copies
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -101,9 +101,7 @@ def apply(model, args: UpcycleArgs) -> Growth:
             copies = sibling_copies(~redraw[block], torch.zeros(E, dtype=torch.long), 1)
             provenance[name] = Provenance("copy", source, expand, copies=along_hidden(copies, new[name].shape, hidden_dim), fresh=fresh)
             continue
-        new[name] = old[name]
-        if name in params:
-            provenance[name] = Provenance("carried", name)
+        carry(name, old[name], params, new, provenance)
     return Growth(materialize(new_cfg, new), provenance)
 
 

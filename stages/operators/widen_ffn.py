@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from growtrain.model.config import ModelConfig
-from growtrain.stages.common import fresh_state, materialize, new_elements, require_full_experts, take
+from growtrain.stages.common import carry, fresh_state, materialize, new_elements, require_full_experts, take
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -84,9 +84,7 @@ def apply(model, args: WidenFFNArgs) -> Growth:
         parts = name.split(".")
         matrix = _ffn_matrix(parts, old_cfg)
         if matrix is None or widths[matrix[1]][0] == widths[matrix[1]][1]:
-            new[name] = w
-            if name in params:
-                provenance[name] = Provenance("carried", name)
+            carry(name, w, params, new, provenance)
             continue
         kind, is_expert = matrix
         f_old, f_new = widths[is_expert]
