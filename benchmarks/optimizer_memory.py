@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from growtrain.model import GrowLM, ModelConfig
-from growtrain.optim import AdamW
+from growtrain.optim_registry import build_optimizer
 from growtrain.optim8bit import state_bytes
 from growtrain.recipe import OptimizerConfig, load_recipe
 
@@ -67,7 +67,7 @@ def _bytes(tensors) -> int:
 def measure(cfg: ModelConfig, state_bits: int, stored_params: int) -> dict:
     with torch.device("meta"):
         model = GrowLM(cfg)
-        opt = AdamW(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=state_bits))
+        opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=state_bits))
     trainable = [p for p in model.parameters() if p.requires_grad]
     expert_tensors = [t for n, t in list(model.named_parameters()) + list(model.named_buffers()) if ".ffn.experts." in n and "_lora_" not in n]
     expert_weights = sum(cfg.moe.num_experts * 3 * cfg.d_model * cfg.moe.expert_hidden for _ in cfg.moe_layers)

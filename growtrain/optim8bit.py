@@ -12,13 +12,22 @@ for its weight; arXiv 2110.02861 §2.3): their gradient is row-sparse, and a rar
 moment, 8-bit in a block shared with frequent tokens, can round to zero under a nonzero first
 moment, which makes its step m / eps.
 
-The update is AdamW's own (growtrain.optim.AdamW.step, unchanged): per parameter the moments are
-dequantized, stepped in float32 and requantized, so only one parameter's float32 moments exist at
-a time. Everything outside the optimizer sees float32 `ParamState`s: `state` is a read-only
-mapping that dequantizes on access, so growth (transition.map_optimizer_state) maps moments as it
-does for 32-bit state, and a state handed back unchanged (a carried parameter) keeps its codes
-without a requantization round trip. Checkpoints hold the codes and absmax as tensors (loadable
-with torch.load(weights_only=True)), so a resume continues bit for bit.
+The update: a tensor whose multipliers are floats and whose step is an int goes through
+bitsandbytes' blockwise 8-bit Adam update (`optimizer_update_8bit_blockwise`, what
+`bitsandbytes.optim.AdamW8bit` runs: dequantize, step and requantize in one call, codes and absmax
+updated in place) with lr·lr_mult, weight_decay·wd_mult and eps·eps_mult. Its formula is AdamW's
+(decoupled decay applied first, then m/(1 - beta1^t) / (sqrt(v)/sqrt(1 - beta2^t) + eps), as its
+CPU and pure-PyTorch implementations read; its CUDA kernel is not checked against this yet): the
+same step within fp32 rounding for the same moments (tests/test_optim8bit.py). A tensor with
+per-element multipliers or step counts (grown ones) is dequantized, stepped by growtrain's exact
+element-by-element update (growtrain.optim.adamw_step) and requantized, so DESIGN.md §7's fields
+stay exact; tensors kept in 32 bits step with growtrain.optim.adamw_step as in AdamW.
+
+Everything outside the optimizer sees float32 `ParamState`s: `state` is a read-only mapping that
+dequantizes on access, so growth (transition.map_optimizer_state) maps moments as it does for
+32-bit state, and a state handed back unchanged (a carried parameter) keeps its codes without a
+requantization round trip. Checkpoints hold the codes and absmax as tensors (loadable with
+torch.load(weights_only=True)), so a resume continues bit for bit.
 
 Legend: N elements of a parameter, B = ceil(N / 256) blocks.
 """
@@ -34,7 +43,7 @@ import torch
 from torch import nn
 
 from growtrain.kernels.nf4_reference import bitsandbytes_functional
-from growtrain.optim import AdamW, ParamState
+from growtrain.optim import FUSED_DEVICES, AdamW, ParamState, adamw_step
 
 BLOCKSIZE = 256  # bitsandbytes' blockwise optimizer state
 MIN_8BIT_NUMEL = 4096
@@ -102,20 +111,21 @@ class _Float32View(Mapping):
 
 
 class AdamW8bit(AdamW):
-    """AdamW with 8-bit moments on the dense parts; built by `AdamW(...)` when the config asks for
-    `dense_state_bits: 8` (the hook in growtrain/optim.py)."""
+    """AdamW with 8-bit moments on the dense parts (`dense_state_bits: 8`; built by
+    growtrain.optim_registry.build_optimizer)."""
+
+    state_bits = 8
 
     def __init__(self, named_params: dict[str, nn.Parameter], cfg):
         self._packed: dict[str, ParamState] = {}
         self._handed_out: dict[int, tuple[weakref.ref, ParamState]] = {}  # id(float32 view) -> (view, packed)
-        self._view: dict[str, ParamState] | None = None
         super().__init__(named_params, cfg)
 
     # -- state as the rest of growtrain sees it (float32) ----------------------------------------
 
     @property
     def state(self):
-        return self._view if self._view is not None else _Float32View(self)
+        return _Float32View(self)
 
     @state.setter
     def state(self, value) -> None:
@@ -125,6 +135,10 @@ class AdamW8bit(AdamW):
             kept = handed.get(id(s))
             packed[name] = kept[1] if kept is not None and kept[0]() is s else self._pack(name, s)
         self._packed = packed
+
+    def _stored(self) -> dict[str, ParamState]:
+        # The multipliers are the same objects in the packed states: no dequantization needed.
+        return self._packed
 
     def _is_8bit(self, name: str) -> bool:
         p = self.params.get(name)
@@ -148,33 +162,25 @@ class AdamW8bit(AdamW):
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        params = self.params
-        try:
-            for name, p in params.items():
-                if p.grad is None:
-                    continue
-                packed = self._packed[name]
-                if not isinstance(packed.exp_avg, Moment8bit):
-                    logical = packed
-                else:
-                    logical = replace(packed, exp_avg=packed.exp_avg.dequantize(), exp_avg_sq=packed.exp_avg_sq.dequantize())
-                # AdamW's own step over this one parameter (so the update rule is defined once).
-                self.params, self._view = {name: p}, {name: logical}
-                AdamW.step(self, lr)
-                if logical is not packed:
-                    self._packed[name] = replace(
-                        logical, exp_avg=Moment8bit.quantize(logical.exp_avg, True), exp_avg_sq=Moment8bit.quantize(logical.exp_avg_sq, False)
-                    )
-        finally:
-            self.params, self._view = params, None
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        # The multipliers are the same objects in the packed states: no dequantization needed.
-        self._view = self._packed
-        try:
-            return AdamW.clip_grad_norm(self, max_norm)
-        finally:
-            self._view = None
+        # A float32 view handed out before this step no longer matches its packed state (the codes
+        # change in place below): handed back later, it is requantized from what it holds.
+        self._handed_out = {}
+        plain, blockwise, unpacked = [], [], []
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            s = self._packed[name]
+            if not isinstance(s.exp_avg, Moment8bit):
+                plain.append((p, s))
+            elif _blockwise_update_fits(p, s):
+                blockwise.append((p, s))
+            else:  # per-element multipliers or steps: growtrain's exact update on float32 moments
+                unpacked.append((name, p, replace(s, exp_avg=s.exp_avg.dequantize(), exp_avg_sq=s.exp_avg_sq.dequantize())))
+        adamw_step(plain + [(p, s) for _, p, s in unpacked], lr, self.cfg)
+        for name, _, s in unpacked:
+            self._packed[name] = replace(s, exp_avg=Moment8bit.quantize(s.exp_avg, True), exp_avg_sq=Moment8bit.quantize(s.exp_avg_sq, False))
+        if blockwise:
+            _blockwise_step(blockwise, lr, self.cfg)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -207,6 +213,34 @@ class AdamW8bit(AdamW):
                 raise ValueError(f"optimizer state of {n} has shape {tuple(states[n].exp_avg.shape)}, parameter {tuple(p.shape)}")
         self._handed_out = {}
         self._packed = {n: self._pack(n, s) for n, s in states.items()}
+
+
+def _blockwise_update_fits(p: torch.Tensor, s: ParamState) -> bool:
+    """bitsandbytes' update takes one step count and float hyperparameters per tensor."""
+    g = p.grad
+    return (
+        s.has_scalar_schedule()
+        and p.device.type in FUSED_DEVICES
+        and p.dtype == g.dtype == torch.float32
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and g.layout == torch.strided
+        and s.exp_avg.codes.device == p.device
+    )
+
+
+def _blockwise_step(items: list[tuple[torch.Tensor, ParamState]], lr: float, cfg) -> None:
+    bnbf = bitsandbytes_functional()
+    for p, s in items:
+        s.step += 1
+        m, v = s.exp_avg, s.exp_avg_sq
+        bnbf.optimizer_update_8bit_blockwise(
+            "adam", p.grad, p, m.codes, v.codes,
+            cfg.beta1, cfg.beta2, 0.0, 0.0,  # beta3 and alpha: AdEMAMix only
+            cfg.eps * s.eps_mult, s.step, lr * s.lr_mult,
+            dynamic_map(True, p.device), dynamic_map(False, p.device), m.absmax_B, v.absmax_B,
+            weight_decay=cfg.weight_decay * s.wd_mult, gnorm_scale=1.0,
+        )
 
 
 def state_bytes(opt: AdamW) -> int:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .reference import _GroupedSwiGLU, _Plan, _cast, _compute_dtypes, expert_bounds
+
 NF4_BLOCKSIZE = 64
 NESTED_BLOCKSIZE = 256  # what bitsandbytes' quantize_4bit(compress_statistics=True) uses
 
@@ -215,7 +217,55 @@ def grouped_swiglu_nf4_lora_reference(
     y = h Wd^T + s (h Ad^T) Bd^T. Only experts with rows are dequantized (in groups of up to
     DEQUANT_GROUP_NUMEL weights); the dequantized bases are constants of the graph (no gradient),
     so backward reaches x and the LoRA pairs only. `dequantize(stack, experts) -> [K, rows, cols]`
-    defaults to `dequantize_experts_bitsandbytes`. Returns y_sorted_ND."""
+    defaults to `dequantize_experts_bitsandbytes`. Returns y_sorted_ND.
+
+    Runs as one autograd Function over all experts (kernels/reference.py), bitwise the same as the
+    per-expert loop `grouped_swiglu_nf4_lora_reference_loop` without its per-expert full-size
+    gradient buffers. The dequantized groups are kept for the backward when it will run (as the
+    loop's saved tensors kept them), freed group by group otherwise."""
+    dequantize = dequantize or dequantize_experts_bitsandbytes
+    E = experts.num_experts
+    bounds = expert_bounds(offsets_E1, E, x_sorted_ND.shape[0])  # one host sync per call
+    active = [e for e in range(E) if bounds[e + 1] > bounds[e]]
+    loras = (experts.gate_lora, experts.up_lora, experts.down_lora)
+    if not active:
+        zero = x_sorted_ND.sum() + sum(p.sum() for l in loras for p in (l.A_ERI, l.B_EOR))
+        return x_sorted_ND.new_zeros((0, experts.down.cols)) + 0 * zero
+    # fp64 inputs (exact tests) get fp64 bases; otherwise fp32, and autocast picks the matmul dtype.
+    base_dtype = torch.promote_types(x_sorted_ND.dtype, torch.float32)
+    dt, cast = _compute_dtypes(x_sorted_ND)
+    per_group = max(1, DEQUANT_GROUP_NUMEL // (experts.gate.rows * experts.gate.cols))
+
+    def bases(group: list[int]):
+        w_gate_KFD, w_up_KFD, w_down_t_KFD = (
+            _cast(dequantize(st, group).to(base_dtype), cast) for st in (experts.gate, experts.up, experts.down)
+        )
+        # mm right operands [in, out]: gate/up W^T (a view), down stored [F, D] = W_down^T already.
+        return [(w_gate_KFD[k].T, w_up_KFD[k].T, w_down_t_KFD[k]) for k in range(len(group))]
+
+    params = [p for l in loras for p in (l.A_ERI, l.B_EOR)]
+    backward_runs = torch.is_grad_enabled() and any(t.requires_grad for t in (x_sorted_ND, *params))
+    plan = _Plan(
+        bounds,
+        active,
+        [active[i : i + per_group] for i in range(0, len(active), per_group)],
+        bases,
+        tuple(l.scale for l in loras),
+        dt,
+        cast,
+        keep_bases=backward_runs,
+    )
+    return _GroupedSwiGLU.apply(plan, x_sorted_ND, None, None, None, *params)
+
+
+def grouped_swiglu_nf4_lora_reference_loop(
+    x_sorted_ND: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    experts: NF4LoRAExperts,
+    dequantize: Dequantize | None = None,
+) -> torch.Tensor:
+    """The per-expert loop that `grouped_swiglu_nf4_lora_reference` replaced, autograd through plain
+    ops (one zero tensor of every LoRA stack and of x per expert in the backward): the tests' baseline."""
     dequantize = dequantize or dequantize_experts_bitsandbytes
     E = experts.num_experts
     if offsets_E1.numel() != E + 1:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from growtrain.model import GrowLM, ModelConfig
 from growtrain.optim import AdamW
+from growtrain.optim_registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig
 from growtrain.stages import (
     OPERATORS,
@@ -121,7 +122,7 @@ def inserted_blocks(n_layers: int, after: tuple[int, ...]) -> list[tuple[int, bo
 def grow_once(model, args, op, seed=0, stage_index=1):
     """apply_growth for one operator with a fresh probe and default thresholds."""
     probe = (tokens(seed=99, T=8), tokens(seed=98, T=8))
-    state = AdamW(dict(model.named_parameters()), OptimizerConfig()).state
+    state = build_optimizer(dict(model.named_parameters()), OptimizerConfig()).state
     return apply_growth(
         model,
         state,
@@ -332,7 +333,7 @@ def test_random_chains_of_upcycle_and_deepen_keep_logits_and_structure(cfg, data
 def trained(cfg: ModelConfig, steps: int = 2, seed: int = 4) -> tuple[GrowLM, AdamW]:
     torch.manual_seed(seed)
     model = GrowLM(cfg)
-    opt = AdamW(dict(model.named_parameters()), OptimizerConfig())
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig())
     for k in range(steps):
         train_step(model, opt, tokens(seed=k, T=7))
     return model, opt
@@ -420,9 +421,9 @@ def test_one_adamw_step_after_deepen_moves_carried_weights_as_the_ungrown_step(c
     ref_model, ref_state = copy.deepcopy(model), copy.deepcopy(opt.state)
     growth = deepen.apply(model, DeepenArgs(after=after, init=init))
     grown = growth.model
-    grown_opt = AdamW(dict(grown.named_parameters()), OptimizerConfig())
+    grown_opt = build_optimizer(dict(grown.named_parameters()), OptimizerConfig())
     grown_opt.rebind(dict(grown.named_parameters()), map_optimizer_state(opt.state, grown, growth.provenance))
-    ref_opt = AdamW(dict(ref_model.named_parameters()), OptimizerConfig())
+    ref_opt = build_optimizer(dict(ref_model.named_parameters()), OptimizerConfig())
     ref_opt.rebind(dict(ref_model.named_parameters()), ref_state)
 
     ref_before = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
@@ -585,7 +586,7 @@ def test_plan_stage_models_names_the_stage_and_step_that_upcycles_an_moe_layer()
 def test_growth_is_a_function_of_its_position_and_leaves_the_global_rng_alone():
     torch.manual_seed(6)
     model = GrowLM(dense_config(2))
-    state = AdamW(dict(model.named_parameters()), OptimizerConfig()).state
+    state = build_optimizer(dict(model.named_parameters()), OptimizerConfig()).state
     steps = [GrowthStep("upcycle_moe", UpcycleArgs(num_experts=4, top_k=2)), GrowthStep("deepen", DeepenArgs(after=(1,), init="fresh"))]
     planned = plan_stage_models(model.config, [steps])[0]
     probe = (tokens(seed=11), tokens(seed=12))

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from conftest import default_dtype
 from growtrain.model import GrowLM, ModelConfig
 from growtrain.optim import AdamW, ParamState, clip_grad_norm
+from growtrain.optim_registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, load_recipe
 from growtrain.stages import OPERATORS, GrowthCheckFailed, GrowthPlanError, Operator, Provenance, apply_growth, get_operator, plan_stage_models, register
 from growtrain.stages.common import materialize
@@ -93,7 +94,7 @@ def trained(cfg: ModelConfig, steps: int = 3, seed: int = 4, clip: float = 1.0, 
     model = GrowLM(cfg)
     for name, p in model.named_parameters():
         p.requires_grad_(not name.endswith(freeze) if freeze else True)
-    opt = AdamW(dict(model.named_parameters()), OptimizerConfig(grad_clip=clip))
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(grad_clip=clip))
     for k in range(steps):
         train_step(model, opt, tokens(seed=100 + k, vocab=cfg.vocab_size))
     return model, opt
@@ -547,7 +548,7 @@ def test_optimizer_state_of_the_wrong_shape_or_an_unknown_provenance_fails(broke
 def step_both(model, opt, growth, batch, lr=1e-2, naive=False):
     """One AdamW step on a copy of the ungrown model and on the grown one (mapped state, or plainly
     copied moments with `naive`); returns both logit changes on a held-out batch and both clip norms."""
-    ref_model, ref_opt = copy.deepcopy(model), AdamW(dict(model.named_parameters()), opt.cfg)
+    ref_model, ref_opt = copy.deepcopy(model), build_optimizer(dict(model.named_parameters()), opt.cfg)
     ref_opt.rebind(dict(ref_model.named_parameters()), copy.deepcopy(opt.state))
     grown = growth.model
     state = map_optimizer_state(copy.deepcopy(opt.state), grown, growth.provenance)
@@ -558,7 +559,7 @@ def step_both(model, opt, growth, batch, lr=1e-2, naive=False):
             else s
             for n, s in state.items()
         }
-    grown_opt = AdamW(dict(grown.named_parameters()), opt.cfg)
+    grown_opt = build_optimizer(dict(grown.named_parameters()), opt.cfg)
     grown_opt.rebind(dict(grown.named_parameters()), state)
     x_BT = tokens(seed=21, B=3, T=10)
     ref_before, grown_before = logits_of(ref_model, x_BT), logits_of(grown, x_BT)
@@ -665,7 +666,7 @@ def test_per_element_step_counts_and_multipliers_survive_a_checkpoint_round_trip
     twin = copy.deepcopy(grown)
     saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     twin.load_state_dict(saved["model"], strict=True)
-    twin_opt = AdamW(dict(twin.named_parameters()), opt.cfg)
+    twin_opt = build_optimizer(dict(twin.named_parameters()), opt.cfg)
     twin_opt.load_state_dict(saved["optimizer"])
     for m, o in ((grown, opt), (twin, twin_opt)):
         train_step(m, o, tokens(seed=12))

@@ -30,7 +30,7 @@ from growtrain.kernels.reference import grouped_swiglu_reference
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import ExpertLoRAConfig
 from growtrain.model.nf4 import MATRICES, NF4Experts, dequantize_stack, quantize_stack
-from growtrain.optim import AdamW
+from growtrain.optim_registry import build_optimizer
 from growtrain.recipe import OptimizerConfig
 
 
@@ -217,7 +217,7 @@ def test_the_frozen_base_is_buffers_gets_no_gradient_and_holds_no_optimizer_stat
     tokens = torch.randint(0, 41, (2, 12))
     out = model(tokens)
     (out.logits.square().mean() + out.aux_loss).backward()
-    opt = AdamW(params, OptimizerConfig())
+    opt = build_optimizer(params, OptimizerConfig())
     opt.step(1e-2)
     for n, b in model.named_buffers():
         assert b.grad is None and not b.requires_grad, n

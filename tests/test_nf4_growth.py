@@ -29,6 +29,7 @@ from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import ExpertLoRAConfig
 from growtrain.model.nf4 import MATRICES, NF4Experts, dequantize_stack
 from growtrain.optim import AdamW
+from growtrain.optim_registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, RecipeError, recipe_from_dict
 from growtrain.stages import GrowthPlanError, apply_growth, get_operator
 from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs
@@ -76,7 +77,7 @@ def trained(cfg, steps=3, clip=1.0, freeze=()) -> tuple[GrowLM, AdamW]:
                 p.normal_(0.0, 0.05)
     for n, p in model.named_parameters():
         p.requires_grad_(not n.endswith(freeze) if freeze else True)
-    opt = AdamW(dict(model.named_parameters()), OptimizerConfig(grad_clip=clip))
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(grad_clip=clip))
     for k in range(steps):
         train_step(model, opt, tokens(seed=100 + k))
     return model, opt
@@ -175,9 +176,9 @@ def test_one_adamw_step_after_an_nf4_split_moves_the_logits_as_before_it():
     grown = growth.model
     for n, p in grown.named_parameters():
         p.requires_grad_(not n.endswith(SHARED))
-    ref, ref_opt = copy.deepcopy(model), AdamW(dict(model.named_parameters()), opt.cfg)
+    ref, ref_opt = copy.deepcopy(model), build_optimizer(dict(model.named_parameters()), opt.cfg)
     ref_opt.rebind(dict(ref.named_parameters()), copy.deepcopy(opt.state))
-    grown_opt = AdamW(dict(grown.named_parameters()), opt.cfg)
+    grown_opt = build_optimizer(dict(grown.named_parameters()), opt.cfg)
     grown_opt.rebind(dict(grown.named_parameters()), map_optimizer_state(copy.deepcopy(opt.state), grown, growth.provenance))
     x_BT, batch = tokens(seed=21, B=3, T=10), tokens(seed=8, T=9)
     ref_before, grown_before = logits_of(ref, x_BT), logits_of(grown, x_BT)

@@ -11,7 +11,7 @@ import torch
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.dense_lora import DenseLoRAConfig, apply_dense_lora
 from growtrain.model.nf4 import MATRICES, NF4Experts
-from growtrain.optim import AdamW
+from growtrain.optim_registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, RecipeError, recipe_from_dict
 from growtrain.stages import GrowthPlanError, apply_growth, get_operator
 from growtrain.stages.operators.quantize import MergeAdaptersArgs, QuantizeExpertsArgs
@@ -33,7 +33,7 @@ def moe_model(seed=0) -> GrowLM:
 
 def trained_state(model, steps=2) -> dict:
     """Optimizer state with nonzero moments and step counts, as after some training."""
-    opt = AdamW(dict(model.named_parameters()), OptimizerConfig())
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig())
     for _ in range(steps):
         out = model(torch.randint(0, V, (2, 8)))
         (out.logits.square().mean() + out.aux_loss).backward()

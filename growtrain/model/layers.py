@@ -1,8 +1,12 @@
 """Dense building blocks of a coupling block: RMSNorm, RoPE, GQA attention, SwiGLU, and the two
 branches F (norm + attention) and G (norm + FFN) of DESIGN.md §4.
 
-Legend: B batch, T sequence (or tokens), D d_model, H query heads, K key/value heads,
-Hd head size, F FFN hidden width.
+Attention takes an optional `AttentionCache` (incremental decoding, growtrain/generate.py): new
+positions continue from the cache's length, their keys and values are appended to it. Without a
+cache it runs exactly the training computation.
+
+Legend: B batch, T sequence (or tokens), S cached plus new positions, D d_model, H query heads,
+K key/value heads, Hd head size, F FFN hidden width.
 """
 
 from __future__ import annotations
@@ -88,21 +92,66 @@ class Attention(nn.Module):
             nn.init.normal_(lin.weight, mean=0.0, std=self.init_std)
         nn.init.normal_(self.wo.weight, mean=0.0, std=self.out_std)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        """Causal attention over x; with `cache`, x holds the positions after the cached ones."""
         B, T, _ = x_BTD.shape
+        start = 0 if cache is None else cache.length
         q_BHTd = self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k_BKTd = self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v_BKTd = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos_TH, sin_TH = rope_cos_sin(T, self.head_dim, self.rope_theta, x_BTD.device, q_BHTd.dtype)
+        cos_TH, sin_TH = rope_cos_sin(start + T, self.head_dim, self.rope_theta, x_BTD.device, q_BHTd.dtype)
+        if start:  # RoPE positions continue after the cached ones
+            cos_TH, sin_TH = cos_TH[start:], sin_TH[start:]
         q_BHTd = apply_rope(q_BHTd, cos_TH, sin_TH)
         k_BKTd = apply_rope(k_BKTd, cos_TH, sin_TH)
+        if cache is not None:
+            k_BKSd, v_BKSd = cache.append(k_BKTd, v_BKTd)
+            if start:  # an empty cache (prefill) attends over the fresh tensors: the training path's exact operands
+                k_BKTd, v_BKTd = k_BKSd, v_BKSd
         group = self.n_heads // self.n_kv_heads
         if group > 1:
             # Explicit repeat instead of SDPA's enable_gqa: that flag needs torch >= 2.5.
             k_BKTd = k_BKTd.repeat_interleave(group, dim=1)
             v_BKTd = v_BKTd.repeat_interleave(group, dim=1)
-        o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True)
+        if start == 0:
+            o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, is_causal=True)
+        elif T == 1:  # one new position sees every cached one: no mask
+            o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd)
+        else:  # new position i (absolute start + i) sees keys 0..start + i
+            S = start + T
+            mask_TS = torch.ones(T, S, dtype=torch.bool, device=x_BTD.device).tril(diagonal=start)
+            o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BKTd, v_BKTd, attn_mask=mask_TS)
         return self.wo(o_BHTd.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class AttentionCache:
+    """One attention layer's keys and values (after RoPE) for incremental decoding: buffers
+    [B, K, capacity, Hd] whose first `length` positions are filled. K/V heads are stored, not the
+    repeated query heads (GQA: H / K times less memory). The buffers are allocated at the first
+    append, in the keys' dtype and device (fp32, or bf16 under autocast), and grow by doubling when
+    an append passes the capacity, so a capacity guess never limits the length."""
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = capacity
+        self.length = 0
+        self.k_BKSd: torch.Tensor | None = None
+        self.v_BKSd: torch.Tensor | None = None
+
+    def append(self, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store T new positions; return the keys and values of all `length` positions (views)."""
+        end = self.length + k_BKTd.shape[2]
+        if self.k_BKSd is None or end > self.k_BKSd.shape[2]:
+            B, Kh, _, Hd = k_BKTd.shape
+            size = max(end, self.capacity, 2 * (0 if self.k_BKSd is None else self.k_BKSd.shape[2]))
+            k_new, v_new = (k_BKTd.new_empty(B, Kh, size, Hd) for _ in range(2))
+            if self.k_BKSd is not None:
+                k_new[:, :, : self.length] = self.k_BKSd[:, :, : self.length]
+                v_new[:, :, : self.length] = self.v_BKSd[:, :, : self.length]
+            self.k_BKSd, self.v_BKSd = k_new, v_new
+        self.k_BKSd[:, :, self.length : end] = k_BKTd
+        self.v_BKSd[:, :, self.length : end] = v_BKTd
+        self.length = end
+        return self.k_BKSd[:, :, :end], self.v_BKSd[:, :, :end]
 
 
 class SwiGLU(nn.Module):
@@ -132,8 +181,8 @@ class AttentionBranch(nn.Module):
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.attn(self.norm(x_BTD))
+    def forward(self, x_BTD: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        return self.attn(self.norm(x_BTD), cache)
 
 
 class FFNBranch(nn.Module):

@@ -2,7 +2,8 @@
 coupling blocks over two fp32 residual streams, final norm, untied LM head. With
 `config.reversible` (the default) a training forward keeps no per-block activations: the backward
 rebuilds them from the block outputs (growtrain/model/reversible.py). With `config.dense_lora` the
-dense Linear layers it names are wrapped by peft LoRA when the model is built.
+dense Linear layers it names are wrapped by peft LoRA when the model is built. `forward_cached`
+decodes incrementally with a `KVCache` (growtrain/generate.py).
 
 Legend: B batch, T sequence, D d_model, V vocabulary.
 """
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from growtrain.model.config import ModelConfig
-from growtrain.model.layers import AttentionBranch, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
+from growtrain.model.layers import AttentionBranch, AttentionCache, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
 from growtrain.model.moe import MoE, MoEStats, update_balance_bias
 from growtrain.model.reversible import plain_blocks, reversible_blocks
 
@@ -25,6 +26,17 @@ class ModelOutput:
     logits: torch.Tensor  # [B, T, V]
     aux_loss: torch.Tensor  # scalar: sum of the MoE layers' aux losses (0 for a dense model)
     moe_stats: list[MoEStats] = field(default_factory=list)  # one per MoE block, in block order
+
+
+class KVCache:
+    """What incremental decoding keeps between calls: each block's attention keys and values.
+    Nothing else is needed: in y1 = x1 + F(x2), y2 = x2 + G(y1) only F (attention) mixes
+    positions; norms, the FFN and the MoE router act on each token alone, so a new token's two
+    streams follow from its own streams and the K/V of the earlier positions."""
+
+    def __init__(self, n_layers: int, capacity: int = 0):
+        self.layers = [AttentionCache(capacity) for _ in range(n_layers)]
+        self.length = 0  # positions held (also without blocks, where no layer counts them)
 
 
 def check_config(config: ModelConfig) -> None:
@@ -63,11 +75,11 @@ class CouplingBlock(nn.Module):
         return self.g.is_moe
 
     def forward(
-        self, x1: torch.Tensor, x2: torch.Tensor, routing: torch.Tensor | None = None
+        self, x1: torch.Tensor, x2: torch.Tensor, routing: torch.Tensor | None = None, cache: AttentionCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, MoEStats | None]:
         # Branch outputs are cast back to the stream dtype: under autocast they come out bf16, and
         # adding bf16 into the streams would break the (near-)exact inverse.
-        y1 = x1 + self.f(x2).to(x1.dtype)
+        y1 = x1 + self.f(x2, cache).to(x1.dtype)
         g_out, stats = self.g(y1, routing=routing)
         y2 = x2 + g_out.to(x2.dtype)
         return y1, y2, stats
@@ -118,6 +130,28 @@ class GrowLM(nn.Module):
             x1, x2, stats = reversible_blocks(self.blocks, x1, x2)
         else:
             x1, x2, stats = plain_blocks(self.blocks, x1, x2)
+        return self.head(x1, x2, stats)
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty KV cache for `forward_cached` (its buffers sized for `capacity` positions)."""
+        return KVCache(len(self.blocks), capacity)
+
+    @torch.no_grad()
+    def forward_cached(self, tokens_BT: torch.Tensor, cache: KVCache) -> ModelOutput:
+        """Logits of `tokens_BT` as the positions after those in `cache`, which it extends.
+
+        With an empty cache this runs the ops of `forward` on the same operands, so the logits are
+        bit for bit the same. After that, position t's logits equal row t of a full forward over all
+        tokens so far within fp32 rounding, not bitwise: the projections see one row instead of a
+        whole sequence and the softmax one query against cached keys (other BLAS blocking, other
+        summation order). Decoding only: no autograd graph."""
+        x1, x2 = self.embed_streams(tokens_BT)
+        stats: list[MoEStats] = []
+        for block, layer_cache in zip(self.blocks, cache.layers):
+            x1, x2, s = block(x1, x2, cache=layer_cache)
+            if s is not None:
+                stats.append(s)
+        cache.length += tokens_BT.shape[1]
         return self.head(x1, x2, stats)
 
     def embed_streams(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -328,10 +328,17 @@ class NF4Experts(nn.Module):
         A, B = getattr(self, f"{m}_lora_A").float(), getattr(self, f"{m}_lora_B").float()
         return self.dequantized(m) + self.scale * (B @ A)
 
+    # A `dequantize(stack, experts)` for the reference backend to use instead of bitsandbytes'
+    # (growtrain/generate.py sets one that dequantizes every base once, for decoding).
+    dequantize = None
+
     def forward(self, x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, backend: str = "reference") -> torch.Tensor:
         from growtrain.model.moe import get_expert_backend
 
-        return get_expert_backend(backend, "nf4")(x_sorted_ND, offsets_E1, self.weights())
+        run = get_expert_backend(backend, "nf4")
+        if self.dequantize is not None and backend == "reference":
+            return run(x_sorted_ND, offsets_E1, self.weights(), dequantize=self.dequantize)
+        return run(x_sorted_ND, offsets_E1, self.weights())
 
 
 def stored_layout(m: str, w_EOI: torch.Tensor) -> torch.Tensor:
