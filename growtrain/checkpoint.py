@@ -16,6 +16,7 @@ checkpoint, saying why, so a resumed run never reads half a checkpoint.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -105,6 +106,13 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _disk_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def _sha256(path: Path) -> str:
@@ -446,8 +454,13 @@ class CheckpointManager:
             else:
                 os.rename(tmp, final)
             _fsync_dir(self.dir)
-        except BaseException:
+        except BaseException as exc:
+            # torch.save reports a full disk as "unexpected pos ..." (the errno is lost in C++):
+            # ask the disk while the partial files still fill it, then say what happened.
+            full = isinstance(exc, (RuntimeError, OSError)) and _disk_full(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
+            if full and not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} while writing checkpoint {name}", str(self.dir)) from exc
             raise
 
         self._write_latest(name)

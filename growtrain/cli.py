@@ -4,6 +4,7 @@ each command imports what it needs. User mistakes exit 2 with a message, never a
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -79,13 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=Path, help="run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
-    p = sub.add_parser("generate", help="sample text from a checkpoint", description="Sample a continuation of --prompt from a checkpoint.")
+    p = sub.add_parser("generate", help="sample text from a checkpoint", description=(
+        "Sample a continuation of --prompt from a checkpoint, printed as it is sampled (KV cache). Beyond the context the "
+        "model was trained at (its largest seq_len) the context slides: when it is full it restarts from its last half."
+    ))
     p.add_argument("checkpoint", type=Path, help="run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default 0)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context for every token (slow; the reference path)")
 
     p = sub.add_parser("export-adapters", help="write a checkpoint's LoRA adapters in peft's layout (adapter_config.json + safetensors)",
                        description="Write the LoRA adapters of a checkpoint (the NF4 experts' per-expert LoRA pairs, as peft "
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        print("\ninterrupted; the newest checkpoint is intact: run the same command to resume", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        # `run` raises train.Interrupted, saying what is on disk; other commands have nothing to resume.
+        print(f"\ninterrupted; {exc}" if str(exc) else "\ninterrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # `growtrain print-config r.yaml | head`: the reader left; silence the exit-time flush too.
@@ -118,8 +124,43 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{rank}error: {exc}", file=sys.stderr)
+        print(f"{rank}error: {_message(exc)}", file=sys.stderr)
         return code
+
+
+# Errors of the machine, not of growtrain: the path given, its permissions, the disk.
+ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR,
+    errno.ENAMETOOLONG, errno.EFBIG, errno.ENOENT,
+}
+
+
+def environment_error(exc: BaseException) -> OSError | None:
+    """The OSError of the machine behind `exc` (itself, or what it was raised from), if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _message(exc: BaseException) -> str:
+    env = environment_error(exc)
+    if env is None:
+        return str(exc)
+    where = f": {env.filename}" if env.filename else ""
+    hint = {
+        errno.ENOSPC: "; free some space (or choose another --out), then run the same command: it resumes from the last checkpoint",
+        errno.EDQUOT: "; the disk quota is used up: free some space, then run the same command",
+        errno.EROFS: "; that file system is read-only: choose another path",
+        errno.EACCES: "; no permission there: choose another path",
+        errno.ENOTDIR: "; a part of that path is a file, not a folder: choose another path",
+        errno.EEXIST: "; a file of that name is in the way: choose another path",
+    }.get(env.errno, "")
+    context = f"{exc}; " if env is not exc and not isinstance(exc, OSError) else ""
+    return f"{context}{env.strerror or env}{where}{hint}"
 
 
 def _user_error_code(exc: Exception) -> int | None:
@@ -128,7 +169,11 @@ def _user_error_code(exc: Exception) -> int | None:
     from growtrain.recipe import RecipeError
     from growtrain.stages import GrowthCheckFailed
 
-    if isinstance(exc, (RecipeError, DataError, CheckpointError)):
+    from growtrain.run_lock import RunDirLocked
+
+    if isinstance(exc, (RecipeError, DataError, CheckpointError, RunDirLocked)):
+        return 2
+    if environment_error(exc) is not None:
         return 2
     export = sys.modules.get("growtrain.export")  # loaded by export-adapters only
     if export is not None and isinstance(exc, export.ExportError):
@@ -210,10 +255,18 @@ def cmd_generate(args) -> int:
         if value < 0:
             print(f"error: {flag} must be >= 0, got {value}", file=sys.stderr)
             return 2
-    from growtrain.generate import generate_from_checkpoint
+    from growtrain.generate import generate_from_checkpoint, write_flushed
 
-    text = generate_from_checkpoint(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    print(text)
+    # Streamed: the prompt once the model has loaded, then each piece of text as it is sampled;
+    # the timing line goes to stderr after the text's newline.
+    timing: list[str] = []
+    generate_from_checkpoint(
+        args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+        stream=write_flushed, use_cache=not args.no_cache, report=timing.append,
+    )
+    print(flush=True)
+    for line in timing:
+        print(line, file=sys.stderr)
     return 0
 
 

@@ -57,7 +57,8 @@ class DataConfig:
         default="builtin:pydoc_topics",
         metadata={
             "doc": "Corpus: 'builtin:pydoc_topics' (Python's pydoc prose, ~0.5 MB), 'builtin:python_stdlib' "
-            "(the standard library's .py files), a local file or folder, or a Hugging Face hub dataset name."
+            "(the standard library's .py files), a local file or folder (a relative path is relative to the recipe file's "
+            "folder; with --set, to the working directory; stored resolved), or a Hugging Face hub dataset name."
         },
     )
     format: Literal["auto", "text", "jsonl", "parquet"] = field(
@@ -71,7 +72,11 @@ class DataConfig:
     )
     tokenizer: str = field(
         default="byte",
-        metadata={"doc": "'byte' (UTF-8 bytes plus EOS, 257 ids) or the path of a local tokenizer.json or its folder."},
+        metadata={
+            "doc": "'byte' (UTF-8 bytes plus EOS, 257 ids) or the path of a local tokenizer.json or its folder (relative "
+            "as data.source). The run keeps a copy in every checkpoint (generate and export-adapters use that one) "
+            "and a resume refuses a different file under the same path."
+        },
     )
     eval_fraction: float = field(
         default=0.05,
@@ -109,6 +114,7 @@ class Corpus:
     eval_tokens: torch.Tensor  # (N_eval,) int32, documents in source order, EOS after each
     num_documents: int
     description: str
+    warnings: tuple[str, ...] = ()  # problems worth a line in the log that do not stop the run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +191,36 @@ def _column_texts(rows: Iterable[dict], text_field: str, where: str, columns: li
         yield text
 
 
-def _local_documents(root: Path, cfg: DataConfig) -> Iterator[str]:
+# Share of a text file's characters that are U+FFFD (bytes that are not UTF-8, replaced on read)
+# or NUL (UTF-16 and binary files) above which the file is reported. Measured: random bytes read
+# as 44% U+FFFD, ASCII text saved as UTF-16 as 54% NUL and U+FFFD, an English text in Latin-1 with
+# an accent here and there as ~1% (each non-ASCII letter is one U+FFFD).
+UNDECODABLE_WARN_SHARE = 0.1
+
+
+def _undecodable_share(text: str) -> float:
+    return (text.count("\ufffd") + text.count("\x00")) / max(1, len(text))
+
+
+def _check_decoded(files: list[Path], texts: Iterable[str], undecodable: list[str]) -> Iterator[str]:
+    """Pass the texts through (the text builder yields one row per file, in order), noting in
+    `undecodable` each file read that is not UTF-8 text, as it is read: max_bytes may stop early."""
+    for path, text in zip(files, texts):
+        share = _undecodable_share(text)
+        if share > UNDECODABLE_WARN_SHARE:
+            undecodable.append(f"{path} ({share:.0%})")
+        yield text
+
+
+def _undecodable_warning(undecodable: list[str]) -> str:
+    shown = ", ".join(undecodable[:3]) + (f" and {len(undecodable) - 3} more" if len(undecodable) > 3 else "")
+    return (
+        f"{len(undecodable)} text file(s) are not UTF-8 text (the share of their characters read as U+FFFD or NUL): "
+        f"{shown}; those bytes train as noise: convert the files to UTF-8, or remove them from data.source"
+    )
+
+
+def _local_documents(root: Path, cfg: DataConfig, undecodable: list[str] | None = None) -> Iterator[str]:
     files, fmt = _local_files(root, cfg.format)
     import datasets
 
@@ -197,7 +232,7 @@ def _local_documents(root: Path, cfg: DataConfig) -> Iterator[str]:
             _BUILDER[fmt], data_files=[str(p) for p in files], split="train", streaming=True, **kwargs
         )
         if fmt == "text":
-            yield from (row["text"] for row in ds)
+            yield from _check_decoded(files, (row["text"] for row in ds), undecodable if undecodable is not None else [])
         else:
             columns = list(ds.column_names) if ds.column_names is not None else None
             yield from _column_texts(ds, cfg.text_field, f"'{root}'", columns)
@@ -226,8 +261,31 @@ def _hub_documents(name: str, cfg: DataConfig) -> Iterator[str]:
 _PATH_LIKE_SUFFIXES = tuple(_FORMAT_BY_SUFFIX)
 
 
-def _documents(cfg: DataConfig) -> tuple[str, Iterator[str]]:
-    """A short name for the corpus and a lazy iterator over its documents, in source order."""
+def resolve_source_path(source: str, base: Path) -> str:
+    """data.source with a relative local path made absolute against `base` (the recipe's folder);
+    built-in corpora and hub names unchanged. A relative path counts as local when it exists under
+    `base` or is clearly meant as a path (starts with '.' or '~', or has a data file's suffix)."""
+    if source.startswith("builtin:") or not source:
+        return source
+    path = Path(source).expanduser()
+    if path.is_absolute():
+        return str(path)
+    if (base / path).exists() or source.startswith((".", "~")) or source.lower().endswith(_PATH_LIKE_SUFFIXES):
+        return str((base / path).resolve())
+    return source
+
+
+def resolve_tokenizer_path(spec: str, base: Path) -> str:
+    """data.tokenizer: 'byte' unchanged, a path made absolute against `base`."""
+    if spec == "byte" or not spec:
+        return spec
+    path = Path(spec).expanduser()
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def _documents(cfg: DataConfig, undecodable: list[str] | None = None) -> tuple[str, Iterator[str]]:
+    """A short name for the corpus and a lazy iterator over its documents, in source order
+    (reading a local text file that is not UTF-8 text appends it to `undecodable`)."""
     source = cfg.source
     if source.startswith("builtin:"):
         if source not in BUILTIN_SOURCES:
@@ -235,7 +293,7 @@ def _documents(cfg: DataConfig) -> tuple[str, Iterator[str]]:
         return source.removeprefix("builtin:"), BUILTIN_SOURCES[source]()
     path = Path(source).expanduser()
     if path.exists():
-        return path.name or str(path), _local_documents(path, cfg)
+        return path.name or str(path), _local_documents(path, cfg, undecodable)
     # Things that are clearly meant as paths get a "not found", not a hub lookup.
     if source.startswith(("/", ".", "~")) or source.lower().endswith(_PATH_LIKE_SUFFIXES):
         raise DataError(f"data source '{source}' does not exist (expected a local file or folder)")
@@ -280,7 +338,8 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     if problems:
         raise DataError("; ".join(problems))
     tokenizer = build_tokenizer(cfg.tokenizer)
-    name, doc_iter = _documents(cfg)
+    undecodable: list[str] = []
+    name, doc_iter = _documents(cfg, undecodable)
     docs = _take(doc_iter, cfg.max_bytes)
     if not docs:
         raise DataError(f"data source '{cfg.source}' holds no text")
@@ -310,7 +369,8 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         f"{name}: {len(docs):,} documents, {n_train + n_eval:,} tokens "
         f"(train {n_train:,} / eval {n_eval:,}), tokenizer {tokenizer.name}"
     )
-    return Corpus(tokenizer, train_tokens, eval_tokens, len(docs), description)
+    warnings = (_undecodable_warning(undecodable),) if undecodable else ()
+    return Corpus(tokenizer, train_tokens, eval_tokens, len(docs), description, warnings)
 
 
 # ---------------------------------------------------------------------------------------------

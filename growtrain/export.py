@@ -15,6 +15,7 @@ dequantized NF4 bases (`base_model`, optionally written next to the adapters wit
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,8 +23,8 @@ from safetensors.torch import save_file
 
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
-from growtrain.model.dense_lora import import_peft
 from growtrain.model.nf4 import MATRICES
+from growtrain.tokenizer import CHECKPOINT_TOKENIZER
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -99,7 +100,8 @@ def peft_config_for(model: GrowLM):
     experts, dense = _lora_settings(model)
     if experts is None and dense is None:
         raise ExportError("the model has no adapters: neither NF4 experts with LoRA (quantize_experts) nor peft LoRA on dense layers")
-    LoraConfig = import_peft().LoraConfig
+    from peft import LoraConfig
+
     main = experts or dense
     kwargs = {"r": main["r"], "lora_alpha": main["lora_alpha"], "use_rslora": main["use_rslora"], "lora_dropout": 0.0, "bias": "none"}
     kwargs["target_parameters"] = [f"experts.{m}" for m in MATRICES] if experts else None
@@ -116,7 +118,7 @@ def peft_config_for(model: GrowLM):
 @torch.no_grad()
 def adapter_state_dict(model: GrowLM, lora_config) -> dict[str, torch.Tensor]:
     """Our adapters under the keys `PeftModel.save_pretrained` writes for `lora_config`."""
-    get_peft_model = import_peft().get_peft_model
+    from peft import get_peft_model
 
     with torch.device("meta"):
         skeleton = GrowLM(base_config(model.config))
@@ -188,4 +190,8 @@ def export_adapters(checkpoint: Path, out_dir: Path, with_base: bool = False, lo
     model.load_state_dict(loaded.model_state, strict=True)
     summary = export_model_adapters(model, out_dir, with_base)
     summary["checkpoint"] = str(loaded.path)
+    own_tokenizer = loaded.path / CHECKPOINT_TOKENIZER
+    if own_tokenizer.is_file():  # the adapters come with the tokenizer they were trained with
+        shutil.copyfile(own_tokenizer, Path(out_dir) / CHECKPOINT_TOKENIZER)
+        summary["tokenizer"] = CHECKPOINT_TOKENIZER
     return summary

@@ -1,31 +1,85 @@
-"""`growtrain inspect`: where a run stands, read from a checkpoint's meta.json (no tensors loaded)."""
+"""`growtrain inspect`: where a run stands, read from a checkpoint's meta.json (no tensors loaded),
+and what is wrong with the checkpoints it had to pass over or was pointed at."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, read_meta
+from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, read_meta, verify_checkpoint
 
 
-def _checkpoint_dir(path: Path) -> Path:
+def _checkpoint_dir(path: Path) -> tuple[Path, list[str], list[dict]]:
+    """(the checkpoint to show, its problems, the newer damaged ones skipped to reach it). A
+    checkpoint named directly is shown even when damaged, with its problems, as long as its
+    meta.json is intact; a run directory shows its newest intact checkpoint."""
     path = Path(path)
     if (path / "manifest.json").is_file():
-        return path
+        problems = verify_checkpoint(path)
+        if any(p.startswith(("meta.json", "manifest.json")) for p in problems):
+            raise CheckpointError(f"{path} is damaged and its meta data cannot be trusted: " + "; ".join(problems))
+        return path, problems, []
+    if re.fullmatch(r"step-\d{8,}", path.name) and path.is_dir():
+        raise CheckpointError(f"{path}: not a complete checkpoint (no manifest.json: its save was interrupted); inspect the run directory {path.parent.parent}")
     if path.name == "checkpoints":
         path = path.parent
     if not (path / "checkpoints").is_dir():
         raise CheckpointError(f"{path}: neither a checkpoint directory (with manifest.json) nor a run directory (with checkpoints/)")
     manager = CheckpointManager(path, CheckpointConfig(), log=lambda msg: None)
+    skipped: list[dict] = []
     for candidate in manager.complete_checkpoints():
-        if not manager.verify(candidate):
-            return candidate
-    raise CheckpointError(f"{path}: no intact checkpoint under checkpoints/")
+        problems = manager.verify(candidate)
+        if not problems:
+            return candidate, [], skipped
+        skipped.append({"checkpoint": str(candidate), "problems": problems})
+    if skipped:
+        raise CheckpointError(
+            f"{path}: every checkpoint under checkpoints/ is damaged:\n"
+            + "\n".join(f"  {Path(s['checkpoint']).name}: {'; '.join(s['problems'])}" for s in skipped)
+        )
+    raise CheckpointError(f"{path}: no complete checkpoint under checkpoints/ yet")
+
+
+def _stored_weights(meta: dict) -> tuple[int, dict[tuple[int, int], tuple[int, int]]]:
+    """Weights the model stores, NF4 expert bases included (a buffer of 4-bit codes holds two
+    weights a byte; meta's params_total counts nn.Parameters only, so a quantize step read as a 9x
+    shrink), for the checkpoint's model and before/after each growth record, keyed by (stage
+    index, record index). Records are left out where the checkpoint's recipe no longer plans
+    (written by another growtrain version)."""
+    from growtrain.model.config import ModelConfig
+    from growtrain.plan import count_model
+    from growtrain.recipe import RecipeError, recipe_from_dict
+    from growtrain.stages import GrowthPlanError, get_operator
+
+    counts: dict = {}
+
+    def weights(cfg) -> int:
+        if cfg not in counts:
+            counts[cfg] = count_model(cfg).params_total
+        return counts[cfg]
+
+    current = ModelConfig.from_dict(meta["model_config"])
+    per_record: dict[tuple[int, int], tuple[int, int]] = {}
+    try:
+        recipe = recipe_from_dict(meta["recipe"])
+        cfg = recipe.model.with_changes(vocab_size=current.vocab_size)
+        for i, stage in enumerate(recipe.stages[: meta["stage"] + 1]):
+            start = cfg
+            for j, step in enumerate(stage.grow):
+                after = get_operator(step.op).plan(cfg, step.args)
+                per_record[(i, j)] = (weights(cfg), weights(after))
+                cfg = after
+            per_record[(i, len(stage.grow))] = (weights(start), weights(cfg))  # the whole transition
+    except (RecipeError, GrowthPlanError, KeyError, TypeError, ValueError):
+        per_record = {}
+    return weights(current), per_record
 
 
 def inspect_report(path: Path) -> dict:
-    ckpt = _checkpoint_dir(path)
+    ckpt, problems, skipped = _checkpoint_dir(path)
     meta = read_meta(ckpt)
     cfg = meta["model_config"]
+    weights_total, record_weights = _stored_weights(meta)
     transitions = [
         {
             "stage": r["stage"],
@@ -36,6 +90,9 @@ def inspect_report(path: Path) -> dict:
             **r["metrics"],
             "params_before": r["params_before"],
             "params_after": r["params_after"],
+            # Stored weights, NF4 bases included (None: the recipe no longer plans).
+            "weights_before": record_weights.get((r.get("stage_index"), r.get("index")), (None, None))[0],
+            "weights_after": record_weights.get((r.get("stage_index"), r.get("index")), (None, None))[1],
             "planned_params": r["planned_params"],
             "problems": r["problems"],
         }
@@ -43,12 +100,15 @@ def inspect_report(path: Path) -> dict:
     ]
     return {
         "checkpoint": str(ckpt),
+        "problems": problems,  # of this checkpoint; non-empty only when it was named directly
+        "skipped": skipped,  # newer checkpoints of the run that are damaged
         "stage": meta["stage"],
         "stage_name": meta["stage_name"],
         "stage_step": meta["stage_step"],
         "step": meta["step"],
         "tokens": meta["tokens"],
         "params_total": meta["params_total"],
+        "weights_total": weights_total,  # params_total + the NF4 expert bases' weights
         "loss": meta.get("loss"),
         "eval_loss": meta.get("eval_loss"),
         "model": {
@@ -68,12 +128,16 @@ def inspect_report(path: Path) -> dict:
 def format_report(r: dict) -> str:
     m = r["model"]
     moe = f", {m['num_experts']} experts top-{m['top_k']} in blocks {m['moe_layers']}" if m["moe_layers"] else ", dense"
+    nf4 = r["weights_total"] - r["params_total"]
+    held = f"{r['weights_total']:,} weights ({nf4:,} in NF4 expert bases + {r['params_total']:,} parameters; " if nf4 else f"{r['params_total']:,} ("
     lines = [
-        f"checkpoint  {r['checkpoint']}",
+        *(f"damaged     {Path(s['checkpoint']).name}, skipped: {'; '.join(s['problems'])}" for s in r["skipped"]),
+        f"checkpoint  {r['checkpoint']}" + (" (the newest intact one)" if r["skipped"] else ""),
+        *([f"DAMAGED     {'; '.join(r['problems'])} (a resume skips this checkpoint; its meta data below is intact)"] if r["problems"] else []),
         f"stage       {r['stage'] + 1}/{len(r['stages'])} '{r['stage_name']}' (step {r['stage_step']} of {r['stages'][r['stage']]['steps']})",
         f"step        {r['step']:,}",
         f"tokens      {r['tokens']:,}",
-        f"parameters  {r['params_total']:,} ({m['n_layers']} blocks, d_model {m['d_model']}{moe})",
+        f"parameters  {held}{m['n_layers']} blocks, d_model {m['d_model']}{moe})",
         f"loss        {r['loss']:.4f} (eval {r['eval_loss']:.4f})",
         f"wandb id    {r['wandb_id'] or '-'}",
         f"saved by    {r['expert_parallel']} process(es)" + (" (experts in per-rank shard files; loads at any EP size that divides them)" if r["expert_parallel"] > 1 else ""),
@@ -81,11 +145,13 @@ def format_report(r: dict) -> str:
         "growth history:" if r["transitions"] else "growth history: none yet",
     ]
     if r["transitions"]:
-        lines.append(f"  {'stage':<12} {'operator':<14} {'exact':<6} {'passed':<7} {'max|Δlogit|':>12} {'rel L2':>10} {'cosine':>10} {'Δloss':>10} {'params':>24}")
+        lines.append(f"  {'stage':<12} {'operator':<14} {'exact':<6} {'passed':<7} {'max|Δlogit|':>12} {'rel L2':>10} {'cosine':>10} {'Δloss':>10} {'weights (NF4 bases included)':>28}")
         for t in r["transitions"]:
+            before = t["weights_before"] if t["weights_before"] is not None else t["params_before"]
+            after = t["weights_after"] if t["weights_after"] is not None else t["params_after"]
             lines.append(
                 f"  {t['stage']:<12} {t['operator']:<14} {str(t['exact']):<6} {str(t['passed']):<7} {t['max_abs_dlogits']:>12.2e} "
                 f"{t['rel_l2']:>10.2e} {t['cosine']:>10.6f} {t['loss_after'] - t['loss_before']:>+10.2e} "
-                f"{t['params_before']:>11,} -> {t['params_after']:<11,}"
+                f"{before:>13,} -> {after:<13,}"
             )
     return "\n".join(lines)

@@ -235,10 +235,10 @@ def optimizer_state_bytes(model, optimizer_cfg) -> dict[str, int]:
     built on the meta device."""
     import torch
 
-    from growtrain.optim import AdamW
+    from growtrain.optim_registry import build_optimizer
 
     with torch.device("meta"):
-        opt = AdamW(dict(model.named_parameters()), optimizer_cfg)
+        opt = build_optimizer(dict(model.named_parameters()), optimizer_cfg)
     out = {}
     for name, entry in opt.state_dict().items():
         out[name] = sum(v.numel() * v.element_size() for v in entry.values() if isinstance(v, torch.Tensor))
@@ -336,29 +336,16 @@ def _moe(s: _Saved, p: str, x_key: str, cfg, N: int, a: int, local_experts: int,
     # Experts that receive at least one slot (each token picks K distinct of E).
     active = _expected_active(local_experts, routed_tokens, K, E)
     ex = p + "experts."
+    # The grouped SwiGLU Function (growtrain.kernels reference backends) saves the sorted rows once
+    # in their own dtype (fp32: the router's input), the gate and up pre-activations, and, with
+    # LoRA, x @ A^T of each matrix; autocast's casts of x and of the weights are redone in the backward.
+    s.add(ex + "x_sorted", S * D, 4, "experts")
+    s.add(ex + "g", S * Fe, a, "experts")
+    s.add(ex + "u", S * Fe, a, "experts")
     if moe.expert_format == "nf4":
-        r = moe.lora.r
-        if a == 4:
-            s.add(ex + "x_sorted", S * D, 4, "experts")  # read by the LoRA A of gate and up
-        else:
-            s.add(ex + "x.gate", S * D, a, "experts")
-            s.add(ex + "x.up", S * D, a, "experts")
-        # Dequantized bases (frozen: saved for the input's gradient), fp32 or their bf16 copies.
+        # The dequantized bases of the experts with rows (frozen, kept for the input's gradient).
         s.add(ex + "bases", active * 3 * Fe * D, a, "experts")
-        if a != 4:  # per-expert slices of A and B are views, cast anew for every expert
-            s.add(ex + "lora_copies", active * 3 * r * (D + Fe), a, "experts")
-        s.add(ex + "xa", 3 * S * r, a, "experts")
-        for t in ("g", "s", "u", "h"):
-            s.add(ex + t, S * Fe, a, "experts")
-    else:
-        if a == 4:
-            s.add(ex + "x_sorted", S * D, 4, "experts")
-        else:
-            s.add(ex + "x.gate", S * D, a, "experts")
-            s.add(ex + "x.up", S * D, a, "experts")
-            s.add(ex + "w_copies", active * 3 * Fe * D, a, "experts")  # per-expert weight views
-        for t in ("g", "s", "u", "prod"):
-            s.add(ex + t, S * Fe, a, "experts")
+        s.add(ex + "xa", 3 * S * moe.lora.r, a, "experts")
     s.add(p + "inverse", S, 8, "experts")
     s.add(p + "gates", N * K, 4)
     s.add(p + "y_tkd", S * D, 4, "experts")  # combine runs in fp32: the gathered expert outputs
@@ -591,6 +578,13 @@ def _flops_per_token(cfg, count: ModelCount, seq: int, reversible: bool) -> tupl
     expert_model = expert_fwd + expert_bwd
     recompute = 1 if reversible else 0
     return dense_model + recompute * block_fwd_dense, expert_model + recompute * expert_fwd, dense_model + expert_model
+
+
+def train_flops_per_token(cfg, seq: int) -> float:
+    """FLOPs one trained token costs on `cfg` (dense + routed experts, forward + backward and the
+    reversible recompute): the weight the trainer's ETA gives each stage's steps (progress.py)."""
+    dense, expert, _ = _flops_per_token(cfg, count_model(cfg), seq, cfg.reversible)
+    return dense + expert
 
 
 def _passes(reversible: bool) -> int:

@@ -20,8 +20,9 @@ from typing import Any, Literal
 import yaml
 
 from growtrain.checkpoint import CheckpointConfig
-from growtrain.data import DataConfig
+from growtrain.data import DataConfig, resolve_source_path, resolve_tokenizer_path
 from growtrain.model.config import ModelConfig, MoEConfig
+from growtrain.optim import OptimizerConfig
 from growtrain.tracking import TrackingConfig
 
 
@@ -100,33 +101,6 @@ class StageConfig:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW over all trainable parameters, with per-parameter LR/weight-decay multipliers."""
-
-    name: Literal["adamw"] = field(default="adamw", metadata={"doc": "Optimizer (registry name)."})
-    lr: float = field(default=3e-3, metadata={"doc": "Base peak LR (stages may override with schedule.peak_lr).", "gt": 0.0})
-    beta1: float = field(default=0.9, metadata={"doc": "Adam beta1.", "ge": 0.0, "lt": 1.0})
-    beta2: float = field(default=0.95, metadata={"doc": "Adam beta2.", "ge": 0.0, "lt": 1.0})
-    eps: float = field(default=1e-8, metadata={"doc": "Adam epsilon.", "gt": 0.0})
-    weight_decay: float = field(
-        default=0.1, metadata={"doc": "Decoupled weight decay on matrices (norm weights are not decayed).", "ge": 0.0}
-    )
-    grad_clip: float = field(default=1.0, metadata={"doc": "Global gradient-norm clip; 0 disables.", "ge": 0.0})
-    max_bad_steps: int = field(
-        default=3,
-        metadata={"doc": "Consecutive non-finite steps skipped before the run stops (no checkpoint of a bad state).", "ge": 0},
-    )
-    dense_state_bits: Literal[32, 8] = field(
-        default=32,
-        metadata={
-            "doc": "Bits per Adam moment of the dense parts: 8 stores them blockwise-quantized as bitsandbytes' 8-bit "
-            "optimizers do (blocks of 256, dynamic map; ~2.03 instead of 8 bytes per parameter) for every trainable "
-            "tensor of >= 4096 elements except the experts' LoRA adapters, the routers and the token embeddings."
-        },
-    )
-
-
-@dataclass(frozen=True)
 class TrainConfig:
     """Loop settings shared by all stages."""
 
@@ -191,11 +165,36 @@ class Recipe:
 # Loading
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
-    """Read, override (`key.path=value`), and validate a recipe file; raise RecipeError with every problem."""
+def packaged_recipes() -> dict[str, Path]:
+    """The recipes shipped in the package (recipes/*.yaml, installed as growtrain.recipes), by name."""
+    from importlib.resources import files
+
+    folder = files("growtrain.recipes")
+    return {Path(e.name).stem: Path(str(e)) for e in folder.iterdir() if e.name.endswith((".yaml", ".yml"))}
+
+
+def find_recipe(path: str | Path) -> Path:
+    """A recipe file: `path` itself, or, for a bare name (`tiny`, `120b`) that is no file here, the
+    packaged recipe of that name."""
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError([f"no such recipe file: {path}"], str(path))
+    if path.is_file():
+        return path
+    if path.parent == Path(".") and path.suffix in ("", ".yaml", ".yml"):
+        shipped = packaged_recipes()
+        if path.stem in shipped:
+            return shipped[path.stem]
+        names = ", ".join(sorted(shipped))
+        raise RecipeError([f"no such recipe file: {path}, and no packaged recipe of that name (packaged: {names})"], str(path))
+    raise RecipeError([f"no such recipe file: {path}"], str(path))
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, override (`key.path=value`), and validate a recipe file; raise RecipeError with every problem.
+
+    Relative data paths (data.source, data.tokenizer) are resolved against the recipe file's
+    folder, those given with --set against the working directory, and the recipe keeps them
+    resolved: a run means the same files wherever it is resumed or inspected from."""
+    path = find_recipe(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -214,12 +213,23 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     problems: list[str] = _duplicate_keys(node) if node is not None else []
     if not isinstance(raw, dict):
         raise RecipeError(["the top level must be a mapping of sections (model, data, stages, ...)"], str(path))
+    _resolve_data_paths(raw, path.resolve().parent)
     for item in overrides:
         _apply_override(raw, item, problems, lines)
+    _resolve_data_paths(raw, Path.cwd())  # what --set gave (the file's paths are absolute by now)
     recipe = parse_recipe(raw, problems, lines)
     if problems:
         raise RecipeError(problems, str(path))
     return recipe
+
+
+def _resolve_data_paths(raw: dict, base: Path) -> None:
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        return
+    for key, resolve in (("source", resolve_source_path), ("tokenizer", resolve_tokenizer_path)):
+        if isinstance(data.get(key), str):
+            data[key] = resolve(data[key], base)
 
 
 def recipe_from_dict(raw: dict) -> Recipe:
@@ -439,11 +449,15 @@ class _Ctx:
         if hint is float:
             if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
                 try:
-                    return float(value)
+                    value = float(value)
                 except ValueError:
                     pass
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 self.error(path, f"expected a number, got {_kind(value)}")
+                return _INVALID
+            if not math.isfinite(value):
+                # `lr: .inf` would train on until every weight is NaN.
+                self.error(path, f"expected a finite number, got {value}")
                 return _INVALID
             return float(value)
         if hint is str:

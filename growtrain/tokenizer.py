@@ -11,6 +11,7 @@ no traceback).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -120,6 +121,48 @@ def build_tokenizer(spec: str) -> Tokenizer:
         f"unknown tokenizer '{spec}': expected 'byte' or the path of a local tokenizer.json "
         "(or of a folder holding one)"
     )
+
+
+CHECKPOINT_TOKENIZER = "tokenizer.json"  # the copy every checkpoint of a run with a tokenizer file holds
+
+
+def tokenizer_file(spec: str) -> Path | None:
+    """The tokenizer.json a spec names (None for 'byte')."""
+    if spec == "byte":
+        return None
+    path = Path(spec).expanduser()
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def tokenizer_identity(spec: str) -> dict:
+    """What a checkpoint records of its tokenizer: the spec, and for a file its sha256, so a resume
+    or a `generate` can tell the same tokenizer from another one under the same path."""
+    file = tokenizer_file(spec)
+    if file is None:
+        return {"spec": spec, "file": None, "sha256": None}
+    return {"spec": spec, "file": CHECKPOINT_TOKENIZER, "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
+
+
+def checkpoint_tokenizer(checkpoint_dir: Path, meta: dict) -> Tokenizer:
+    """The tokenizer a checkpoint was trained with: its own copy of the file, wherever the command
+    runs from. A checkpoint from before copies were kept falls back to the recipe's path, refused
+    when that file is no longer the one it trained with."""
+    ident = meta.get("tokenizer")
+    spec = meta["recipe"]["data"]["tokenizer"]
+    if spec == "byte":
+        return ByteTokenizer()
+    if ident and ident.get("file"):
+        own = Path(checkpoint_dir) / ident["file"]
+        if not own.is_file():
+            raise DataError(f"checkpoint {checkpoint_dir} names its tokenizer {ident['file']}, which is missing")
+        return HFTokenizerFile(own)
+    file = tokenizer_file(spec)
+    if file is None or not file.is_file() or not Path(spec).is_absolute():
+        raise DataError(
+            f"checkpoint {checkpoint_dir} holds no copy of its tokenizer and its recipe's tokenizer '{spec}' cannot be "
+            "found from here: run the command from the directory the run was started in"
+        )
+    return build_tokenizer(spec)
 
 
 def _first_line(exc: BaseException) -> str:

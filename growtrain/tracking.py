@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -144,9 +143,6 @@ class Console:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=done_steps, unit="step", dynamic_ncols=True, leave=False)
-        self._t_last = time.perf_counter()
-        self._step_last = done_steps
-        self._sec_per_step = float("nan")
 
     def write(self, line: str) -> None:
         if self.quiet:
@@ -157,17 +153,9 @@ class Console:
             print(line, flush=True)
 
     def advance(self, step: int) -> None:
-        now = time.perf_counter()
-        if step > self._step_last:
-            rate = (now - self._t_last) / (step - self._step_last)
-            # Recent speed, not the run's average: growth makes later steps slower.
-            self._sec_per_step = rate if self._sec_per_step != self._sec_per_step else 0.9 * self._sec_per_step + 0.1 * rate
-        self._t_last, self._step_last = now, step
+        # The ETA is growtrain/progress.py's (weighted by each stage's cost per step).
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-
-    def eta_seconds(self, step: int) -> float:
-        return self._sec_per_step * (self.total - step)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -25,16 +25,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from growtrain.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint, shard_file_name, write_shard_file
+from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, LoadedCheckpoint, shard_file_name, write_shard_file
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
 from growtrain.distributed import Dist, is_peer_failure
 from growtrain.expert_shards import is_expert_tensor
 from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
-from growtrain.optim import AdamW
+from growtrain.optim_registry import build_optimizer
+from growtrain.progress import Progress, stage_step_costs
 from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain
+from growtrain.run_lock import RunDirLock, RunDirLocked
 from growtrain.stages import GrowthCheckFailed, apply_growth, plan_stage_models
+from growtrain.tokenizer import CHECKPOINT_TOKENIZER, tokenizer_file, tokenizer_identity
 from growtrain.tracking import Console, MetricsFile, Tracker, format_duration
 
 
@@ -107,16 +110,70 @@ def environment() -> dict:
     return {"code": commit or "unknown", "python": platform.python_version(), "torch": torch.__version__, "device": device}
 
 
+# Recipe settings a resume may change: none of them can change what the run computes (weights,
+# losses, data order, growth), only where its numbers go and how often it talks. This is the one
+# list; every other field must match the checkpoint's recipe. Not here on purpose: train.threads
+# (CPU reductions split differently: other bits), train.eval_every / eval_batches (the recorded
+# eval losses would change meaning mid-run), invariance.* (decides whether growth passes).
+RESUME_MAY_CHANGE = (
+    "name",  # W&B display name and log prefix
+    "train.log_every",  # console lines only; W&B and metrics.jsonl get every step
+    "tracking",  # W&B mode/project/tags and the progress bar
+    "checkpoint",  # how often checkpoints are written and how many are kept
+    "distributed",  # combine mode (same bits either way) and the collective timeout
+)
+
+
 def _comparable(recipe_plain: dict) -> dict:
-    # Where metrics go, how many checkpoints are kept and how experts are combined (same bits
-    # either way) may change between a run and its resume.
-    return {k: v for k, v in recipe_plain.items() if k not in ("tracking", "checkpoint", "distributed")}
+    """The recipe without the RESUME_MAY_CHANGE settings."""
+    out = json.loads(json.dumps(recipe_plain))  # a deep copy of plain data
+    for dotted in RESUME_MAY_CHANGE:
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+_ABSENT = object()
+
+
+def _short(value, limit: int = 60) -> str:
+    text = "(absent)" if value is _ABSENT else repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 
 def _recipe_diff(a, b, path="") -> list[str]:
+    """Leaf-level differences, one short line each: `stages.3.steps: checkpoint 6 -> recipe 10`."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _recipe_diff(a.get(k), b.get(k), f"{path}.{k}" if path else k)]
-    return [] if a == b else [f"{path}: checkpoint has {a!r}, recipe has {b!r}"]
+        return [d for k in sorted(set(a) | set(b), key=str) for d in _recipe_diff(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{path}.{k}" if path else str(k))]
+    if isinstance(a, list) and isinstance(b, list) and (len(a) != len(b) or any(isinstance(v, (dict, list)) for v in a + b)):
+        out = [] if len(a) == len(b) else [f"{path}: checkpoint {len(a)} items -> recipe {len(b)} items"]
+        return out + [d for i in range(min(len(a), len(b))) for d in _recipe_diff(a[i], b[i], f"{path}.{i}")]
+    return [] if a == b else [f"{path}: checkpoint {_short(a)} -> recipe {_short(b)}"]
+
+
+def nonfinite_tensors(named) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity (one host sync for all)."""
+    named = [(n, t) for n, t in named if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not named:
+        return []
+    finite = torch.stack([t.isfinite().all() for _, t in named]).tolist()
+    return [n for (n, _), ok in zip(named, finite) if not ok]
+
+
+def _tensors_in(obj, prefix: str):
+    """(name, tensor) pairs of a nested dict/list (optimizer state)."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors_in(v, f"{prefix}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors_in(v, f"{prefix}.{i}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +218,14 @@ class Run:
                 diff[:10] + ["resume with the recipe the run was started with, or start a new run (--out elsewhere or --resume never)"],
                 f"{loaded.path} was written by a different recipe",
             )
+        had = (meta.get("tokenizer") or {}).get("sha256")
+        if had is not None and had != self.tokenizer["sha256"]:
+            raise RecipeError(
+                [f"data.tokenizer '{self.recipe.data.tokenizer}' is not the file this run was trained with (sha256 "
+                 f"{self.tokenizer['sha256'] and self.tokenizer['sha256'][:12]}, the checkpoint's is {had[:12]}); "
+                 f"the original is kept in {loaded.path / CHECKPOINT_TOKENIZER}"],
+                f"{loaded.path}",
+            )
         if meta.get("data_fingerprint") not in (None, self.data_fingerprint):
             # Same recipe, other text (a changed local folder, another Python's stdlib): the run
             # continues, but it cannot repeat the losses it would have had.
@@ -172,7 +237,7 @@ class Run:
         # The checkpoint loader already cut the experts (and their optimizer state) to this rank.
         self.model = self.dist.shard(GrowLM(shapes[pos.stage]))
         self.model.load_state_dict(loaded.model_state, strict=True)
-        self.optimizer = AdamW(self.dist.owned(dict(self.model.named_parameters())), self.recipe.optimizer)
+        self.optimizer = build_optimizer(self.dist.owned(dict(self.model.named_parameters())), self.recipe.optimizer)
         self.optimizer.load_state_dict({n: v for n, v in loaded.trainer_state["optimizer"].items() if n in self.optimizer.params})
         self.stream.load_state_dict(loaded.trainer_state["data"])
         torch.set_rng_state(loaded.trainer_state["rng"]["torch"])
@@ -186,6 +251,21 @@ class Run:
             f"step {pos.global_step}, {pos.tokens:,} tokens"
         )
         return pos
+
+    def _stop_if_nonfinite_parameters(self, pos: Position, stage: StageConfig) -> None:
+        """Finite gradients can still give non-finite weights (an LR or multiplier that overflows the
+        update). Undoing the update would need a second copy of the weights and optimizer state, so
+        the run stops here, before anything of it can be checkpointed: resume restarts from the
+        last good checkpoint. One host sync per step (plus one all-reduce under expert parallelism)."""
+        bad = nonfinite_tensors(self.model.named_parameters())
+        (any_bad,) = self.dist.mean(float(len(bad)))
+        if any_bad > 0:
+            where = f" (first: {bad[0]})" if bad else " (on another rank)"
+            raise TrainingDiverged(
+                f"the update of step {pos.global_step + 1} (stage '{stage.name}') made parameters non-finite{where}, "
+                "from finite gradients: the learning rate or a multiplier overflows it. No checkpoint of this state was "
+                "written: resume restarts from the last good one. Lower the LR."
+            )
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -202,6 +282,7 @@ class Run:
             "eval_loss": self.last_eval,
             "wandb_id": self.wandb_id,
             "data_fingerprint": self.data_fingerprint,
+            "tokenizer": self.tokenizer,
             "growth_history": self.history,
             "recipe": self.plain,
             "environment": self.env,
@@ -214,6 +295,14 @@ class Run:
             "bad_steps": pos.bad_steps,
         }
         model_state = self.model.state_dict()
+        # The last line of defence: whatever produced it, a non-finite state is never saved (a
+        # resume would load it and train on NaNs).
+        bad = nonfinite_tensors(model_state.items()) + nonfinite_tensors(_tensors_in(trainer_state["optimizer"], "optimizer"))
+        if bad:
+            raise TrainingDiverged(
+                f"refusing to checkpoint step {pos.global_step}: {len(bad)} tensor(s) hold non-finite values "
+                f"(first: {bad[0]}); the last checkpoint written is intact: resume restarts from it"
+            )
         write_shards = None
         if self.dist.active:
             # Rank 0's files hold the replicated state; each rank adds its experts and its share of
@@ -238,7 +327,7 @@ class Run:
             trainer_state=trainer_state,
             meta=meta,
             stage_end=stage_end,
-            extra_files={"recipe.yaml": dump_yaml(self.recipe)},
+            extra_files={"recipe.yaml": dump_yaml(self.recipe)} | ({CHECKPOINT_TOKENIZER: self.tokenizer_text} if self.tokenizer_text else {}),
             write_shards=write_shards,
         )
         self.dist.barrier()
@@ -277,14 +366,22 @@ class Run:
     # -- the run ---------------------------------------------------------------------------------
 
     def execute(self, resume: str = "auto") -> RunResult:
+        lock = RunDirLock(self.run_dir) if self.dist.is_main else None
         try:
+            if lock is not None:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                lock.acquire()  # before anything is read or written there: a second run on it exits 2
             result = self._execute(resume)
         except BaseException as exc:
             if self.dist.active:
                 if is_peer_failure(exc):
                     raise self.dist.explain_peer_failure(exc) from None
-                self.dist.report_failure(exc)  # the other ranks' next collective fails: they read this
+                if not isinstance(exc, RunDirLocked):  # the run dir is another run's: leave nothing in it
+                    self.dist.report_failure(exc)  # the other ranks' next collective fails: they read this
             raise
+        finally:
+            if lock is not None:
+                lock.release()
         self.dist.close()
         return result
 
@@ -298,7 +395,14 @@ class Run:
 
         corpus = load_corpus(recipe.data, recipe.seed)
         self.data_fingerprint = data_fingerprint(corpus)
+        # The tokenizer travels with the run: each checkpoint holds a copy (generate and export
+        # read that one, wherever they run from) and records its sha256 (a resume compares it).
+        self.tokenizer = tokenizer_identity(recipe.data.tokenizer)
+        source = tokenizer_file(recipe.data.tokenizer)
+        self.tokenizer_text = source.read_text(encoding="utf-8") if source is not None else None
         self.log(f"data: {corpus.description} (fingerprint {self.data_fingerprint})")
+        for warning in corpus.warnings:
+            self.log(f"warning: {warning}")
         self.stream = TokenStream(corpus.train_tokens)
         seed_shape = seed_model_config(recipe, corpus)
         shapes = plan_stage_models(seed_shape, [s.grow for s in recipe.stages])
@@ -316,11 +420,13 @@ class Run:
         else:
             pos = Position()
             self.model = self.dist.shard(GrowLM(seed_shape))
-            self.optimizer = AdamW(self.dist.owned(dict(self.model.named_parameters())), recipe.optimizer)
+            self.optimizer = build_optimizer(self.dist.owned(dict(self.model.named_parameters())), recipe.optimizer)
             if self.dist.is_main:
                 self.metrics.truncate_after(-1)
         if self.dist.is_main:
             (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
+            if self.tokenizer_text is not None:
+                (self.run_dir / CHECKPOINT_TOKENIZER).write_text(self.tokenizer_text, encoding="utf-8")
         self.log(f"resolved recipe: {self.run_dir / 'recipe.yaml'}")
 
         self.wandb_id = self.tracker.start(self.plain, self.wandb_id, {"environment": self.env})
@@ -331,6 +437,7 @@ class Run:
                 self.tracker.log_metrics({k: v for k, v in row.items() if k not in ("step", "stage")}, row["step"])
         total = sum(s.steps for s in recipe.stages)
         self.console = Console(total, pos.global_step, recipe.tracking.progress_bar, quiet=not self.dist.is_main)
+        self.progress = Progress(stage_step_costs(shapes, recipe.stages), [s.steps for s in recipe.stages])
         exit_code = 1
         try:
             while pos.stage < len(recipe.stages):
@@ -409,6 +516,7 @@ class Run:
         )
         base_lr = recipe.optimizer.lr
         t_last = time.perf_counter()
+        self.progress.start_stage()
         while pos.stage_step < stage.steps:
             lr = stage.lr(pos.stage_step, base_lr)
             ce_sum = aux_sum = 0.0
@@ -430,6 +538,7 @@ class Run:
             if finite:
                 self.optimizer.step(lr)
                 self.dist.broadcast_dense(self.model)
+                self._stop_if_nonfinite_parameters(pos, stage)
                 if loads:
                     self.model.update_balance_biases(loads)
                 pos.bad_steps = 0
@@ -462,6 +571,7 @@ class Run:
                 "skipped": not finite,
             }
             t_last = now
+            self.progress.step_done(pos.stage)
             if finite:
                 self.last_loss = ce_sum
             stage_end = pos.stage_step == stage.steps
@@ -475,21 +585,41 @@ class Run:
             if loads:
                 for i, load in enumerate(loads):
                     wandb_metrics[f"moe/layer{i}/load_max_over_mean"] = (load.max() / load.mean().clamp_min(1e-9)).item()
-            if pos.global_step % recipe.train.log_every == 0 or stage_end:
+            # A slow stage still talks every HEARTBEAT_S seconds (progress.py), whatever log_every says.
+            if pos.global_step % recipe.train.log_every == 0 or stage_end or self.progress.line_due():
                 rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 wandb_metrics["memory/peak_rss_mb"] = rss_mb
                 evl = f" eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
                 self.console.write(
                     f"[{stage.name}] step {pos.global_step}/{self.console.total} loss {ce_sum:.4f}{evl} lr {lr:.2e} "
                     f"gnorm {grad_norm:.3f} tok/s {record['tokens_per_s']:,.0f} mem {rss_mb:,.0f}MB "
-                    f"eta {format_duration(self.console.eta_seconds(pos.global_step))}"
+                    f"eta {format_duration(self.progress.eta_seconds(pos.stage, pos.stage_step))}"
                 )
+                self.progress.line_written()
             self.tracker.log_metrics(wandb_metrics, pos.global_step)
             self.console.advance(pos.global_step)
             if stage_end or self.ckpt.should_save(pos.global_step):
                 self.save(pos, stage_end)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message says what a re-run will do (the CLI prints it)."""
+
+
+def interrupted_message(run_dir: Path) -> str:
+    """What is on disk after an interrupt. Saves are atomic (checkpoint.py), so the newest complete
+    checkpoint is whole; it is not checksummed here, a Ctrl-C must not wait on hundreds of GB."""
+    found = CheckpointManager(Path(run_dir), CheckpointConfig(), log=lambda msg: None).complete_checkpoints()
+    if not found:
+        return f"no checkpoint was written yet under {run_dir}: running the same command starts the run over from step 0"
+    return f"the newest complete checkpoint is {found[0]}: run the same command to resume from it"
+
+
 def run(recipe: Recipe, run_dir: Path, resume: str = "auto", log=print) -> RunResult:
-    return Run(recipe, run_dir, log).execute(resume)
+    try:
+        return Run(recipe, run_dir, log).execute(resume)
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(interrupted_message(run_dir)) from None
 

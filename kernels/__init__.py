@@ -2,9 +2,13 @@
 
 Imports nothing from growtrain (DESIGN.md §2). The folder sits at the repository root, where
 `python -m ...` or `python -c ...` puts it on sys.path as a top-level `kernels`: the name of a PyPI
-package that bitsandbytes imports at start-up. Imported under that name, this file hands the import
-over to the real package (or fails as if this folder were not there), so the project's kernels are
-never executed as a second, top-level copy.
+package that bitsandbytes and transformers probe for. Imported under that name, this file hands the
+import over to the real package when one is installed. When none is, it leaves behind what a probe
+reads as "not installed": a module with no file, no version, no submodules (so the project's kernels
+are never executed as a second, top-level copy) and no attributes (`from kernels import x` is an
+ImportError, which is how bitsandbytes asks). transformers' probe (find_spec, then importing
+a package without metadata) concludes "absent" from exactly that; raising here instead made its
+import, and so `import peft`, fail from the repository root.
 """
 
 if __name__ == "kernels":
@@ -16,9 +20,19 @@ if __name__ == "kernels":
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _elsewhere = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
     _spec = _machinery.PathFinder.find_spec("kernels", _elsewhere)
-    if _spec is None:
-        del _sys.modules["kernels"]
-        raise ModuleNotFoundError("No module named 'kernels' (the repository's kernels/ folder is growtrain.kernels)", name="kernels")
-    _real = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _real  # the import statement returns what sys.modules holds at the end
-    _spec.loader.exec_module(_real)
+    if _spec is not None:
+        _real = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _real  # the import statement returns what sys.modules holds at the end
+        _spec.loader.exec_module(_real)
+    else:
+        __file__ = None
+        __path__ = []  # no submodules: `import kernels.grouped` finds nothing
+        for _name in ("_machinery", "_util", "_os", "_sys", "_root", "_elsewhere", "_spec"):
+            del globals()[_name]
+        del _name
+
+        def __getattr__(name: str):
+            raise AttributeError(
+                f"the PyPI package 'kernels' is not installed (no attribute {name!r}); the repository's kernels/ "
+                "folder is growtrain.kernels"
+            )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import peft
 import torch
 
 from conftest import run_cli
@@ -14,13 +15,12 @@ from growtrain.checkpoint import CheckpointConfig, CheckpointManager
 from growtrain.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_model_adapters, load_base_model
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import ExpertLoRAConfig
-from growtrain.model.dense_lora import DenseLoRAConfig, apply_dense_lora, import_peft, is_peft_wrapped
-from growtrain.optim import AdamW
+from growtrain.model.dense_lora import DenseLoRAConfig, apply_dense_lora, is_peft_wrapped
+from growtrain.optim_registry import build_optimizer
 from growtrain.recipe import OptimizerConfig, to_plain
 
 
 pytest.importorskip("bitsandbytes")
-peft = import_peft()
 
 V = 41
 
@@ -49,7 +49,7 @@ def test_peft_lora_on_attention_freezes_the_base_and_trains_the_adapters():
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen == {f"blocks.{i}.f.attn.{w}.base_layer.weight" for i in range(2) for w in ("wq", "wk", "wv", "wo")}
     assert "embed.weight" in names and "blocks.0.g.ffn.router.weight" in names  # the other dense parts still train
-    opt = AdamW(dict(model.named_parameters()), OptimizerConfig())
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig())
     assert not any("base_layer" in n for n in opt.state_dict())
 
 

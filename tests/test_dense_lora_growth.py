@@ -15,7 +15,7 @@ from conftest import MICRO, assert_same_run, kill_and_resume, run_cli, train_rec
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import DenseLoRAConfig
 from growtrain.model.dense_lora import is_peft_wrapped
-from growtrain.optim import AdamW
+from growtrain.optim_registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, RecipeError, recipe_from_dict, to_plain
 from growtrain.stages import GrowthPlanError, apply_growth, get_operator
 from growtrain.stages.operators.dense_lora import AddDenseLoRAArgs
@@ -35,7 +35,7 @@ def model_config(**changes) -> ModelConfig:
 def trained(cfg: ModelConfig, steps=2):
     torch.manual_seed(1)
     model = GrowLM(cfg)
-    opt = AdamW(dict(model.named_parameters()), OptimizerConfig())
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig())
     for k in range(steps):
         batch = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(k))
         out = model(batch[:, :-1])
@@ -199,7 +199,7 @@ def test_export_adapters_of_the_dense_lora_run_load_into_peft_and_compute_the_ru
 
     from growtrain.checkpoint import resolve
     from growtrain.export import ADAPTER_CONFIG, load_base_model
-    from growtrain.model.dense_lora import import_peft
+    import peft
 
     _, run = reference_run
     out = tmp_path / "adapters"
@@ -212,7 +212,7 @@ def test_export_adapters_of_the_dense_lora_run_load_into_peft_and_compute_the_ru
     model.load_state_dict(loaded.model_state, strict=True)
     model.eval()
     tokens = torch.randint(0, model.config.vocab_size, (2, 12))
-    peft_model = import_peft().PeftModel.from_pretrained(load_base_model(out), str(out))
+    peft_model = peft.PeftModel.from_pretrained(load_base_model(out), str(out))
     peft_model.eval()
     with torch.no_grad():
         want, got = model(tokens).logits, peft_model(tokens).logits

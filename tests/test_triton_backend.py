@@ -22,14 +22,39 @@ def _model(backend: str) -> GrowLM:
     return GrowLM(cfg)
 
 
-def test_triton_backend_matches_the_reference_forward_and_backward():
-    tokens = torch.randint(0, 61, (2, 9))
+def test_triton_backend_matches_the_reference_forward_and_backward(monkeypatch):
+    import growtrain.kernels.grouped as grouped
+    from growtrain.kernels.backend import triton_unavailable_reason
+
+    # Where Triton cannot run (TRITON_INTERPRET=0 on a CPU), the 'triton' backend falls back to the
+    # reference and this comparison would be the reference against itself: skip, saying why.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        pytest.skip(f"the Triton kernels cannot run on {device} tensors here: {reason}")
+    launches = {"forward": 0, "wgrad": 0}
+    real_launch, real_wgrad = grouped.launch_grouped_mm, grouped.grouped_wgrad
+
+    def counted_launch(*args, **kwargs):
+        launches["forward"] += 1
+        return real_launch(*args, **kwargs)
+
+    def counted_wgrad(*args, **kwargs):
+        launches["wgrad"] += 1
+        return real_wgrad(*args, **kwargs)
+
+    monkeypatch.setattr(grouped, "launch_grouped_mm", counted_launch)
+    monkeypatch.setattr(grouped, "grouped_wgrad", counted_wgrad)
+    tokens = torch.randint(0, 61, (2, 9), device=device)
     results = {}
     for backend in ("reference", "triton"):
-        model = _model(backend)
+        model = _model(backend).to(device)
         out = model(tokens)
         (out.logits.square().mean() + out.aux_loss).backward()
         results[backend] = (out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        if backend == "reference":
+            assert launches == {"forward": 0, "wgrad": 0}, "the reference backend must not launch Triton kernels"
+    assert launches["forward"] > 0 and launches["wgrad"] > 0, f"the Triton kernels never ran ({launches}): nothing was compared"
     ref_logits, ref_grads = results["reference"]
     tri_logits, tri_grads = results["triton"]
     torch.testing.assert_close(tri_logits, ref_logits, rtol=1e-5, atol=1e-5)

@@ -44,9 +44,9 @@ class DenseLoRAConfig:
             raise ValueError(f"dense_lora.target_modules {list(self.target_modules)}: each must be one of {', '.join(DENSE_LINEAR_NAMES)}")
 
     def peft_config(self):
-        from growtrain.model.dense_lora import import_peft
+        import peft  # imported lazily: seconds
 
-        return import_peft().LoraConfig(
+        return peft.LoraConfig(
             r=self.r,
             lora_alpha=self.lora_alpha,
             use_rslora=self.use_rslora,

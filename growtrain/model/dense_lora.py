@@ -12,34 +12,12 @@ form of a model: growth operators refuse it (`refuse_peft_wrapped`), and the exp
 
 from __future__ import annotations
 
-import importlib.metadata
-import sys
-
 from torch import nn
 
 from growtrain.kernels.nf4_reference import _silence_bitsandbytes_start_up
 from growtrain.model.config import DenseLoRAConfig
 
-__all__ = ["DenseLoRAConfig", "apply_dense_lora", "import_peft", "is_peft_wrapped", "refuse_peft_wrapped"]
-
-
-def import_peft():
-    """peft, imported with two start-up hazards defused. transformers (which peft imports) probes
-    for the optional PyPI package `kernels` by importing it; run from the repository root, that
-    finds the project's kernels/ folder, whose guard refuses to be imported under that name, and
-    the probe's ModuleNotFoundError breaks `import peft`. Without the real package installed,
-    `kernels` is marked absent first (a None entry in sys.modules: `import kernels` then fails
-    as it would anyway, and find_spec says 'not installed'). And bitsandbytes' CPU start-up warning
-    about that same optional package is silenced."""
-    _silence_bitsandbytes_start_up()
-    if "kernels" not in sys.modules:
-        try:
-            importlib.metadata.distribution("kernels")
-        except importlib.metadata.PackageNotFoundError:
-            sys.modules["kernels"] = None
-    import peft
-
-    return peft
+__all__ = ["DenseLoRAConfig", "apply_dense_lora", "is_peft_wrapped", "refuse_peft_wrapped"]
 
 
 def apply_dense_lora(model: nn.Module, cfg: DenseLoRAConfig, adapter_name: str = "default") -> nn.Module:
@@ -48,7 +26,10 @@ def apply_dense_lora(model: nn.Module, cfg: DenseLoRAConfig, adapter_name: str =
     if is_peft_wrapped(model):
         raise ValueError("the model already holds peft adapters")
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    wrapped = import_peft().inject_adapter_in_model(cfg.peft_config(), model, adapter_name=adapter_name)
+    import peft  # seconds to import: only when a model gets adapters
+
+    _silence_bitsandbytes_start_up()
+    wrapped = peft.inject_adapter_in_model(cfg.peft_config(), model, adapter_name=adapter_name)
     # peft marks only adapters trainable; here only the wrapped layers' bases freeze, and the other
     # dense parts (embeddings, norms, routers, LM head) and the experts keep training as before.
     frozen = {id(p) for m in wrapped.modules() if _is_peft_layer(m) for p in m.get_base_layer().parameters()}
