@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "If --out already holds checkpoints of this recipe, the run resumes from the newest intact one "
         "(a damaged one is reported and skipped), so re-running the same command after a crash continues it."
     ))
-    p.add_argument("recipe", type=Path, help="recipe YAML file")
+    p.add_argument("recipe", type=Path, help="recipe YAML file, or the name of a packaged recipe (tiny, 120b)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a recipe field, e.g. --set stages.0.steps=50 --set tracking.wandb.mode=disabled (repeatable)")
@@ -48,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("validate", "check a recipe: exit 0, or exit 2 listing every problem"),
                            ("print-config", "print the resolved recipe with every default filled in")):
         p = sub.add_parser(name, help=helptext, description=helptext[0].upper() + helptext[1:] + ".")
-        p.add_argument("recipe", type=Path, help="recipe YAML file")
+        p.add_argument("recipe", type=Path, help="recipe YAML file, or the name of a packaged recipe (tiny, 120b)")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a field")
+        if name == "validate":
+            p.add_argument("--world-size", type=int, default=1, metavar="N",
+                           help="also check what a launch over N processes needs (torchrun --nproc-per-node N: batch sizes "
+                           "and expert counts divisible by N, options supported under expert parallelism)")
 
     sub.add_parser("schema", help="print the recipe reference (every field, type, default, meaning) as Markdown",
                    description="Print the recipe reference: every section and field with its type, default and meaning.")
@@ -215,8 +219,19 @@ def cmd_validate(args) -> int:
         return 2
     from growtrain.stages import plan_stage_models
 
+    if args.world_size < 1:
+        print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return 2
     shapes = plan_stage_models(recipe.model, [s.grow for s in recipe.stages])
-    print(f"{args.recipe}: ok — {len(recipe.stages)} stage(s), {sum(s.steps for s in recipe.stages):,} steps")
+    if args.world_size > 1:
+        from growtrain.distributed import world_size_problems
+
+        problems = world_size_problems(recipe, shapes, args.world_size)
+        if problems:
+            print(str(RecipeError(problems, f"{args.recipe} over {args.world_size} processes")), file=sys.stderr)
+            return 2
+    over = f" over {args.world_size} processes" if args.world_size > 1 else ""
+    print(f"{args.recipe}: ok{over} — {len(recipe.stages)} stage(s), {sum(s.steps for s in recipe.stages):,} steps")
     for stage, shape in zip(recipe.stages, shapes):
         moe = f", MoE {shape.moe.num_experts} experts top-{shape.moe.top_k} in {len(shape.moe_layers)} layer(s)" if shape.moe else ""
         print(f"  {stage.name}: {shape.n_layers} blocks, d_model {shape.d_model}{moe}; {stage.steps} steps")

@@ -40,6 +40,23 @@ from growtrain.optim import ParamState
 from growtrain.recipe import DistributedConfig
 
 
+def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
+    """What a launch over `world_size` processes (expert parallelism: each rank trains
+    batch_size / W rows and holds E / W experts) needs of the recipe, all problems at once;
+    `shapes` are the stages' model configs (stages.plan_stage_models)."""
+    W = world_size
+    if W == 1:
+        return []
+    problems = []
+    for stage, shape in zip(recipe.stages, shapes):
+        if stage.batch_size % W:
+            problems.append(f"stages '{stage.name}': batch_size {stage.batch_size} does not divide over {W} ranks (each trains its share of the rows)")
+        if shape.moe is not None and shape.moe_layers and shape.moe.num_experts % W:
+            problems.append(f"stages '{stage.name}': {shape.moe.num_experts} experts do not divide over {W} expert-parallel ranks")
+    if recipe.optimizer.dense_state_bits == 8:
+        problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
+    return problems
+
 class PeerFailed(Exception):
     """Another rank failed or died; this rank stopped with its message."""
 

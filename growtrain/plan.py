@@ -17,7 +17,8 @@ formula. What cannot be read off a meta model — activations, time — is model
 - Sharding (DESIGN.md §12): routed experts contiguously over an expert-parallel group of every
   GPU (weights, gradients and optimizer state of the local experts); everything else data
   parallel with the weights and gradients replicated and the optimizer state sharded (ZeRO-1).
-  One micro-batch of `batch_size` sequences per GPU, so a step is gpus × batch × seq × accum tokens.
+  `batch_size` means what it means to the trainer: sequences per micro-batch over all GPUs (each of
+  G GPUs trains batch_size / G of them), so a step is batch × seq × accum tokens whatever G is.
 - Time: a roofline per phase (dense part, routed experts), each `max(FLOPs / peak, bytes / HBM)`,
   plus the expert-parallel all-to-all (the dispatch waits for the router, so it is not hidden) and
   the data-parallel gradient sync. Attention/expert disaggregation (DisagMoE) searches every split
@@ -861,7 +862,13 @@ def plan_recipe(recipe, hw: Hardware) -> dict:
     tokens_before = 0
     counts: dict = {}
     previous = seed
-    for stage, cfg in zip(recipe.stages, shapes):
+    uneven = [f"stages '{s.name}': batch_size {s.batch_size} does not divide over {hw.gpus} GPUs (batch_size counts the "
+              f"sequences of a micro-batch over all GPUs; use a multiple of {hw.gpus})" for s in recipe.stages if s.batch_size % hw.gpus]
+    if uneven:
+        raise PlanError("; ".join(uneven))
+    for global_stage, cfg in zip(recipe.stages, shapes):
+        # Everything below works on one GPU's share of the micro-batch.
+        stage = replace(global_stage, batch_size=global_stage.batch_size // hw.gpus)
         count = counts.get(cfg) or counts.setdefault(cfg, count_model(cfg, recipe.optimizer))
         grow_peak = growth_peak_bytes(previous, stage.grow, recipe.optimizer, counts)
         previous = cfg
@@ -884,7 +891,8 @@ def plan_recipe(recipe, hw: Hardware) -> dict:
             "d_model": cfg.d_model,
             "reversible": cfg.reversible,
             "precision": precision,
-            "micro_batch": stage.batch_size,
+            "batch_size": global_stage.batch_size,
+            "micro_batch": stage.batch_size,  # per GPU
             "seq_len": stage.seq_len,
             "grad_accum": stage.grad_accum,
             "steps": stage.steps,
@@ -917,7 +925,7 @@ def plan_recipe(recipe, hw: Hardware) -> dict:
         "hardware": {**asdict(hw), "gpus": hw.gpus},
         "layout": (
             f"{hw.gpus} GPUs: routed experts sharded over all (expert parallel), dense parts data parallel "
-            "with ZeRO-1 optimizer state; one micro-batch of batch_size sequences per GPU"
+            "with ZeRO-1 optimizer state; each GPU trains batch_size / GPUs sequences of every micro-batch"
         ),
         "headroom_target": HEADROOM_TARGET,
         "stages": stages,

@@ -72,7 +72,15 @@ class StageConfig:
     name: str = field(default="", metadata={"doc": "Unique stage name (shown in logs and checkpoints)."})
     steps: int = field(default=100, metadata={"doc": "Optimizer steps in this stage.", "ge": 1})
     seq_len: int = field(default=128, metadata={"doc": "Tokens per sequence.", "ge": 2})
-    batch_size: int = field(default=16, metadata={"doc": "Sequences per micro-batch.", "ge": 1})
+    batch_size: int = field(
+        default=16,
+        metadata={
+            "doc": "Sequences per micro-batch over all processes: under torchrun each of N ranks trains batch_size / N of "
+            "them (so it must divide by N), and a step is batch_size x seq_len x grad_accum tokens whatever N is; "
+            "`growtrain plan` reads it the same way.",
+            "ge": 1,
+        },
+    )
     grad_accum: int = field(default=1, metadata={"doc": "Micro-batches per optimizer step.", "ge": 1})
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"doc": "LR schedule of the stage."})
     grow: tuple[GrowthStep, ...] = field(

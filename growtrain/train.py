@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, LoadedCheckpoint, shard_file_name, write_shard_file
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
-from growtrain.distributed import Dist, is_peer_failure
+from growtrain.distributed import Dist, is_peer_failure, world_size_problems
 from growtrain.expert_shards import is_expert_tensor
 from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
@@ -348,20 +348,9 @@ class Run:
         return sum(p.numel() * (self.dist.size if is_expert_tensor(n) else 1) for n, p in self.model.named_parameters())
 
     def _check_parallel(self, shapes: list[ModelConfig]) -> None:
-        """What expert parallelism over W ranks needs of the recipe, all problems at once."""
-        W = self.dist.size
-        if W == 1:
-            return
-        problems = []
-        for stage, shape in zip(self.recipe.stages, shapes):
-            if stage.batch_size % W:
-                problems.append(f"stages '{stage.name}': batch_size {stage.batch_size} does not divide over {W} ranks (each trains its share of the rows)")
-            if shape.moe is not None and shape.moe_layers and shape.moe.num_experts % W:
-                problems.append(f"stages '{stage.name}': {shape.moe.num_experts} experts do not divide over {W} expert-parallel ranks")
-        if self.recipe.optimizer.dense_state_bits == 8:
-            problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
+        problems = world_size_problems(self.recipe, shapes, self.dist.size)
         if problems:
-            raise RecipeError(problems, f"{self.recipe.name} under torchrun with {W} processes")
+            raise RecipeError(problems, f"{self.recipe.name} under torchrun with {self.dist.size} processes")
 
     # -- the run ---------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from growtrain.optim_registry import build_optimizer
 from growtrain.plan import (
     PRESETS,
     ROLES,
+    PlanError,
     activation_bytes,
     count_model,
     get_hardware,
@@ -26,6 +27,8 @@ from growtrain.plan import (
 from growtrain.recipe import OptimizerConfig, load_recipe
 from growtrain.stages import plan_stage_models
 from growtrain.train import forward_loss
+
+from conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -198,11 +201,33 @@ def test_the_120b_recipe_has_the_issues_shape(big_plan):
     assert quantize and 8 <= quantize[0].args.r <= 32
     gpus = big_plan["hardware"]["gpus"]
     for row, stage in zip(big_plan["stages"], recipe.stages):
-        # One micro-batch of batch_size sequences per GPU (the plan's stated layout).
-        assert row["tokens"] == gpus * stage.batch_size * stage.seq_len * stage.grad_accum * stage.steps, stage.name
-    assert big_plan["stages"][-1]["tokens_cumulative"] == sum(
-        gpus * s.batch_size * s.seq_len * s.grad_accum * s.steps for s in recipe.stages
-    )
+        # batch_size is the trainer's: sequences of a micro-batch over all GPUs.
+        assert row["tokens"] == stage.batch_size * stage.seq_len * stage.grad_accum * stage.steps, stage.name
+        assert row["micro_batch"] * gpus == stage.batch_size, stage.name
+    assert big_plan["stages"][-1]["tokens_cumulative"] == sum(s.batch_size * s.seq_len * s.grad_accum * s.steps for s in recipe.stages)
+
+
+def test_the_planner_reads_batch_size_as_the_trainer_does_over_all_gpus():
+    """Same recipe on 8 and on 4 GPUs: the same tokens per step (the trainer's batch_size x seq x
+    accum), each GPU's micro-batch twice as large on 4; a batch that does not divide is refused."""
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml")
+    on8 = plan_recipe(recipe, get_hardware("h100-80gb"))
+    on4 = plan_recipe(recipe, get_hardware("h100-80gb", gpus_per_node=4))
+    for a, b, stage in zip(on8["stages"], on4["stages"], recipe.stages):
+        want = stage.batch_size * stage.seq_len * stage.grad_accum
+        assert a["tokens_per_step"] == b["tokens_per_step"] == want, stage.name
+        assert (a["micro_batch"], b["micro_batch"]) == (stage.batch_size // 8, stage.batch_size // 4)
+    with pytest.raises(PlanError, match="batch_size 16 does not divide over 3 GPUs"):
+        plan_recipe(recipe, get_hardware("h100-80gb", gpus_per_node=3))
+
+
+def test_validate_with_a_world_size_checks_what_a_launch_over_it_needs():
+    ok = run_cli("validate", "120b", "--world-size", "8")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "ok over 8 processes" in ok.stdout
+    bad = run_cli("validate", "tiny", "--world-size", "3")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "batch_size 16 does not divide over 3 ranks" in bad.stderr and "32 experts do not divide over 3" in bad.stderr
 
 
 def test_the_af_search_returns_a_best_split_no_worse_than_any_other(big_plan):
