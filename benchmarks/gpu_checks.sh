@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# The GPU checks of the Triton expert kernels, in one go on a CUDA machine (run from the repo root):
+# The one prepared call for a GPU machine (run from the repo root after `make setup`), under 9 min:
 #   1. the `gpu`-marked kernel tests (bf16 correctness, NF4 bit-identity with bitsandbytes' CUDA
 #      kernel, producer and consumer running concurrently on two streams);
-#   2. benchmarks/kernels.py --json once, then its table.
-# Writes everything under $OUT (default ./gpu_checks_out). Exit code: 0 when tests passed and the
-# benchmark ran, else the first failure's.
+#   2. benchmarks/kernels.py --json once, then its table (its targets gate the exit code);
+#   3-5. benchmarks/gpu_train_checks.py: the shortened tiny recipe trained on cuda (Triton backend):
+#      growth checks, losses vs a CPU fp32 run, kill -9 + resume; peak memory per stage vs the plan;
+#      host syncs per step under torch.cuda.set_sync_debug_mode;
+#   6. with 2+ GPUs: a short torchrun run (NCCL, expert parallelism, overlapped combine).
+# `--cpu`: parts 3-5 only, on the CPU with the reference backend (CI runs this form, so the script
+# cannot rot while no GPU is at hand). Writes everything under $OUT (default ./gpu_checks_out),
+# with summary.txt; exit code 0 only when every part that ran passed.
 set -u
 OUT="${OUT:-gpu_checks_out}"
 mkdir -p "$OUT"
 PY="${PY:-python}"
+CPU=0
+[ "${1:-}" = "--cpu" ] && CPU=1
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
-unset TRITON_INTERPRET  # compiled kernels here, not the interpreter
+declare -A RC
 
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
-  "$PY" - <<'PYEOF'
+if [ "$CPU" -eq 0 ]; then
+  unset TRITON_INTERPRET  # compiled kernels here, not the interpreter
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+    "$PY" - <<'PYEOF'
 import importlib
 for name in ("torch", "triton", "bitsandbytes", "pytest", "hypothesis"):
     try:
@@ -24,26 +33,54 @@ for name in ("torch", "triton", "bitsandbytes", "pytest", "hypothesis"):
 import torch
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")
 PYEOF
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+  } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+fi
 
-# growtrain.kernels is the repo's kernels/ folder, importable once the package is installed.
-if ! "$PY" -c "import growtrain.kernels.weights" 2>/dev/null; then
+# growtrain is the repo, importable once the package is installed.
+if ! "$PY" -c "import growtrain.kernels.weights, growtrain.train" 2>/dev/null; then
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1 || { echo "could not install growtrain (see $OUT/install.txt)"; exit 2; }
 fi
 
-timeout 420 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_kernels_nf4.py tests/test_kernels_grouped.py tests/test_kernels_combine.py 2>&1 | tee "$OUT/pytest_gpu.txt"
-rc_tests=${PIPESTATUS[0]}
+if [ "$CPU" -eq 0 ]; then
+  timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_kernels_nf4.py tests/test_kernels_grouped.py tests/test_kernels_combine.py 2>&1 | tee "$OUT/pytest_gpu.txt"
+  RC[1_kernel_tests]=${PIPESTATUS[0]}
 
-timeout 300 "$PY" benchmarks/kernels.py --json > "$OUT/bench.json" 2> "$OUT/bench.err"
-rc_bench=$?
-if [ "$rc_bench" -eq 0 ]; then
-  "$PY" benchmarks/kernels.py --table "$OUT/bench.json" | tee "$OUT/bench_table.txt"
-else
-  echo "benchmark failed (exit $rc_bench):"; tail -30 "$OUT/bench.err"
+  timeout 120 "$PY" benchmarks/kernels.py --json > "$OUT/bench.json" 2> "$OUT/bench.err"
+  RC[2_kernel_benchmark]=$?
+  if [ "${RC[2_kernel_benchmark]}" -eq 0 ]; then
+    "$PY" benchmarks/kernels.py --table "$OUT/bench.json" | tee "$OUT/bench_table.txt"
+  else
+    echo "benchmark failed (exit ${RC[2_kernel_benchmark]}):"; tail -30 "$OUT/bench.err"
+  fi
 fi
 
-echo "gpu tests exit $rc_tests, benchmark exit $rc_bench"
-[ "$rc_tests" -ne 0 ] && exit "$rc_tests"
-exit "$rc_bench"
+DEVICE=cuda
+[ "$CPU" -eq 1 ] && DEVICE=cpu
+timeout 240 "$PY" benchmarks/gpu_train_checks.py --device "$DEVICE" --out "$OUT/train" 2>&1 | tee "$OUT/train_checks.txt"
+RC[3_5_training]=${PIPESTATUS[0]}
+
+if [ "$CPU" -eq 0 ]; then
+  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [ "$NGPU" -ge 2 ]; then
+    timeout 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m growtrain run tiny --out "$OUT/ep_run" \
+      --set stages.0.steps=20 --set stages.0.schedule.warmup_steps=5 --set stages.1.steps=10 --set stages.1.schedule.warmup_steps=2 \
+      --set stages.2.steps=10 --set stages.2.schedule.warmup_steps=2 --set stages.3.steps=5 --set stages.3.schedule.warmup_steps=1 \
+      --set tracking.wandb.mode=disabled 2>&1 | tail -40 | tee "$OUT/ep_run.txt"
+    RC[6_torchrun_nccl]=${PIPESTATUS[0]}
+  else
+    echo "6_torchrun_nccl: skipped, $NGPU GPU(s)" | tee "$OUT/ep_run.txt"
+  fi
+fi
+
+status=0
+{
+  echo "part                 exit"
+  for k in $(printf '%s\n' "${!RC[@]}" | sort); do
+    printf '%-20s %s\n' "$k" "${RC[$k]}"
+    [ "${RC[$k]}" -ne 0 ] && status=1
+  done
+} | tee "$OUT/summary.txt"
+for k in "${!RC[@]}"; do [ "${RC[$k]}" -ne 0 ] && status=1; done
+exit $status

@@ -27,13 +27,15 @@ import datetime
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from growtrain.expert_shards import cat_entries, is_expert_tensor, slice_entry
+from growtrain import collective_guard
+from growtrain.expert_shards import is_expert_tensor, slice_entry
 from growtrain.model import GrowLM
 from growtrain.model.expert_parallel import EPGroup, shard_experts
 from growtrain.optim import ParamState
@@ -89,7 +91,9 @@ class Dist:
         # The launcher stops the survivors with SIGTERM when a rank dies: say so, not a bare kill.
         if threading_main():
             signal.signal(signal.SIGTERM, _raise_peer_failed)
-        return cls(dist.get_rank(), dist.get_world_size(), cfg.combine)
+        d = cls(dist.get_rank(), dist.get_world_size(), cfg.combine)
+        collective_guard.install_from_env(d.device)  # GROWTRAIN_CHECK_COLLECTIVES=1: NCCL's rules on any backend
+        return d
 
     @property
     def active(self) -> bool:
@@ -119,6 +123,22 @@ class Dist:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return (t / self.size).tolist()
+
+    def mean_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` averaged over the ranks, on its device, without a host sync."""
+        if not self.active:
+            return t
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        return t / self.size
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks, on its device, without a host sync."""
+        if not self.active:
+            return t
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        return t
 
     def barrier(self) -> None:
         if self.active:
@@ -155,9 +175,12 @@ class Dist:
         dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not is_expert_tensor(n)]
         # One flat buffer, plus a has-gradient flag per tensor, so a parameter without a gradient
         # on every rank stays without one (as in a single process) instead of turning into zeros.
+        # The flags live where the gradients do: a buffer of another device would make the cat
+        # mix devices; a model off Dist.device is the collective's error (and the guard's) to name.
+        device = dense[0][1].device if dense else self.device
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for _, p in dense]
-            + [torch.tensor([float(p.grad is not None) for _, p in dense], device=self.device)]
+            + [torch.tensor([float(p.grad is not None) for _, p in dense], device=device)]
         )
         dist.all_reduce(flat)
         flags = flat[-len(dense) :] if dense else flat[:0]
@@ -232,16 +255,43 @@ class Dist:
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         for name, p in grown.named_parameters():  # assign=True keeps the loaded tensors' flags
             p.requires_grad_(name in trainable)
-        states: list = [None] * self.size
-        dist.all_gather_object(states, {n: _fields(s) for n, s in state.items()})
+        return grown, self._gather_state(state)
+
+    def _gather_state(self, state: dict) -> dict:
+        """Every rank's optimizer state, merged: expert entries concatenated over the ranks, each
+        dense entry from the one rank that holds it (its ZeRO-1 owner). No tensor goes through an
+        object collective (NCCL would pickle it through the host and unpickle it onto the sender's
+        GPU): only the entries' layouts do; the tensors travel by all_gather / broadcast on the
+        group's device, in an order every rank derives from the same layouts."""
+        layouts: list = [None] * self.size
+        dist.all_gather_object(layouts, {n: {k: _layout(getattr(s, k)) for k in _STATE_FIELDS} for n, s in state.items()})
         merged = {}
-        for name in sorted({n for s in states for n in s}):
-            pieces = [s[name] for s in states if name in s]
-            if is_expert_tensor(name):
-                merged[name] = ParamState(**cat_entries(pieces))
-            else:
-                merged[name] = ParamState(**pieces[0])
-        return grown, merged
+        for name in sorted({n for lay in layouts for n in lay}):
+            holders = [r for r, lay in enumerate(layouts) if name in lay]
+            expert = is_expert_tensor(name)
+            if expert and len(holders) != self.size:
+                raise ValueError(f"optimizer state of expert tensor {name} is on ranks {holders} only, not on all {self.size}")
+            fields = {}
+            for k in _STATE_FIELDS:
+                kinds = [layouts[r][name][k] for r in holders]
+                first = kinds[0]
+                if not isinstance(first, _TensorLayout):
+                    if expert and any(v != first for v in kinds):
+                        raise ValueError(f"expert shards disagree on the shared {k} of {name}: {kinds}")
+                    fields[k] = first
+                elif expert and first.shape:  # every rank's slice of the expert dim, in rank order
+                    if any(v != first for v in kinds):
+                        raise ValueError(f"expert shards of {name}.{k} differ in layout: {kinds}")
+                    parts = [torch.empty(first.shape, dtype=first.dtype, device=self.device) for _ in range(self.size)]
+                    dist.all_gather(parts, getattr(state[name], k).contiguous())
+                    fields[k] = torch.cat(parts)
+                else:  # dense (one holder), or a 0-d tensor shared by the expert slices: the first holder's
+                    src = holders[0]
+                    buf = getattr(state[name], k).detach().clone() if self.rank == src else torch.empty(first.shape, dtype=first.dtype, device=self.device)
+                    dist.broadcast(buf, src=src)
+                    fields[k] = buf
+            merged[name] = ParamState(**fields)
+        return merged
 
     # -- failures ----------------------------------------------------------------------------------
 
@@ -304,3 +354,16 @@ def _raise_peer_failed(signum, frame):
 
 def _fields(s) -> dict:
     return {k: getattr(s, k) for k in _STATE_FIELDS}
+
+
+@dataclass(frozen=True)
+class _TensorLayout:
+    """What a receiver needs to allocate an optimizer-state tensor: it travels as an object, the
+    tensor does not."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _layout(value):
+    return _TensorLayout(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value

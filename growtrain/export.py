@@ -77,6 +77,7 @@ def base_model(model: GrowLM) -> GrowLM:
     with torch.device("meta"):
         out = GrowLM(cfg)
     out.load_state_dict(state, strict=True, assign=True)
+    out.set_expert_backend(model.expert_backend)  # runtime state: computes like `model`
     return out
 
 

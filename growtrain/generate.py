@@ -204,6 +204,9 @@ def load_model(loaded) -> GrowLM:
     with torch.device("meta"):
         model = GrowLM(ModelConfig.from_dict(loaded.meta["model_config"]))
     model.load_state_dict(loaded.model_state, strict=True, assign=True)
+    # The run's train.expert_backend, resolved for where the weights now are (auto: the reference on
+    # the CPU); checkpoints from before the setting existed mean auto.
+    model.set_expert_backend((loaded.meta.get("recipe") or {}).get("train", {}).get("expert_backend", "auto"))
     return model.eval()
 
 

@@ -48,7 +48,7 @@ def _stored_weights(meta: dict) -> tuple[int, dict[tuple[int, int], tuple[int, i
     (written by another growtrain version)."""
     from growtrain.model.config import ModelConfig
     from growtrain.plan import count_model
-    from growtrain.recipe import RecipeError, recipe_from_dict
+    from growtrain.recipe import RecipeError, recipe_from_dict, without_moved_keys
     from growtrain.stages import GrowthPlanError, get_operator
 
     counts: dict = {}
@@ -61,7 +61,7 @@ def _stored_weights(meta: dict) -> tuple[int, dict[tuple[int, int], tuple[int, i
     current = ModelConfig.from_dict(meta["model_config"])
     per_record: dict[tuple[int, int], tuple[int, int]] = {}
     try:
-        recipe = recipe_from_dict(meta["recipe"])
+        recipe = recipe_from_dict(without_moved_keys(meta["recipe"]))
         cfg = recipe.model.with_changes(vocab_size=current.vocab_size)
         for i, stage in enumerate(recipe.stages[: meta["stage"] + 1]):
             start = cfg

@@ -158,8 +158,12 @@ class AdamW:
     def clip_grad_norm(self, max_norm: float, sum_squares=None) -> float:
         """clip_grad_norm over this optimizer's parameters, each weighted by its `norm_mult`.
         sum_squares: see clip_grad_norm (sharded optimizer state: the other ranks' shares)."""
+        return float(self.clip_grad_norm_(max_norm, sum_squares))
+
+    def clip_grad_norm_(self, max_norm: float, sum_squares=None) -> torch.Tensor:
+        """The same without a host sync: the norm as a 0-dim tensor on the parameters' device."""
         names, stored = list(self.params), self._stored()
-        return clip_grad_norm([self.params[n] for n in names], max_norm, [stored[n].norm_mult for n in names], sum_squares)
+        return clip_grad_norm_([self.params[n] for n in names], max_norm, [stored[n].norm_mult for n in names], sum_squares)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,24 +266,37 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, weights: list | 
     (1 everywhere: the plain norm, computed exactly as without weights).
     sum_squares: when these parameters are one rank's share, a function turning the local squared
     norm into the global one (distributed.Dist.sum_squares); every rank then clips by the same factor."""
+    return float(clip_grad_norm_(params, max_norm, weights, sum_squares))
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, weights: list | None = None, sum_squares=None) -> torch.Tensor:
+    """clip_grad_norm without a host sync: the norm stays a 0-dim tensor on the gradients' device
+    and the clip factor is applied there (the training loop reads the norm with its other numbers,
+    once per step). Bitwise what the float version computed: the factor max_norm / (norm + 1e-6)
+    in float64, rounded once to the gradients' float32, and 1 where no clipping applies."""
     weights = weights if weights is not None else [1.0] * len(params)
     pairs = [(p.grad, w) for p, w in zip(params, weights) if p.grad is not None]
     grads = [g for g, _ in pairs]
     if sum_squares is not None:
-        local = torch.stack(_weighted_norms(pairs)).double().pow(2).sum() if pairs else torch.zeros((), dtype=torch.float64)
-        total = sum_squares(local).sqrt().item()
-        _clip(grads, max_norm, total)
-        return total
-    if not pairs:
-        return 0.0
-    total = torch.linalg.vector_norm(torch.stack(_weighted_norms(pairs))).item()
-    _clip(grads, max_norm, total)
+        local = torch.stack(_weighted_norms(pairs)).double().pow(2).sum() if pairs else _zero_norm(params)
+        total = sum_squares(local).sqrt()
+    elif not pairs:
+        return _zero_norm(params)
+    else:
+        total = torch.linalg.vector_norm(torch.stack(_weighted_norms(pairs)))
+    if grads and max_norm > 0:
+        t64 = total.double()
+        clip = torch.isfinite(t64) & (t64 > max_norm)
+        factor = torch.where(clip, max_norm / (t64 + 1e-6), torch.ones_like(t64))
+        for dtype in {g.dtype for g in grads}:
+            same = [g for g in grads if g.dtype == dtype]
+            torch._foreach_mul_(same, factor.to(dtype))
     return total
 
 
-def _clip(grads: list[torch.Tensor], max_norm: float, total: float) -> None:
-    if grads and max_norm > 0 and math.isfinite(total) and total > max_norm:
-        torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+def _zero_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    device = params[0].device if params else torch.device("cpu")
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 def _weighted_norms(pairs: list[tuple[torch.Tensor, float | torch.Tensor]]) -> list[torch.Tensor]:

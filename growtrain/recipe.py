@@ -108,6 +108,12 @@ class StageConfig:
         return peak - (peak - floor) * (step - decay_start + 1) / decay_steps
 
 
+def _expert_backend_problem(name: str) -> str | None:
+    from growtrain.model.moe import expert_backend_setting_problem  # imported lazily: torch
+
+    return expert_backend_setting_problem(name)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Loop settings shared by all stages."""
@@ -119,6 +125,22 @@ class TrainConfig:
     eval_every: int = field(default=100, metadata={"doc": "Held-out loss every N steps and at each stage end; 0: stage ends only.", "ge": 0})
     eval_batches: int = field(default=4, metadata={"doc": "Held-out batches per evaluation.", "ge": 1})
     threads: int = field(default=0, metadata={"doc": "torch CPU threads; 0 keeps torch's default.", "ge": 0})
+    expert_backend: str = field(
+        default="auto",
+        metadata={
+            "doc": "Kernels of the routed experts: auto (the Triton kernels on a CUDA GPU, full precision and NF4 + LoRA "
+            "fused; the PyTorch reference elsewhere), reference, or triton (on the CPU it logs that it runs the "
+            "reference). A runtime setting: no part of the model's shape, so a resume may change it.",
+            "check": _expert_backend_problem,
+        },
+    )
+    device: Literal["auto", "cpu", "cuda"] = field(
+        default="auto",
+        metadata={
+            "doc": "Where to train: auto (cuda:LOCAL_RANK where CUDA is available, else cpu), cpu or cuda. A runtime "
+            "choice: a resume may change it (a CPU checkpoint resumes on a GPU and back)."
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -240,6 +262,22 @@ def _resolve_data_paths(raw: dict, base: Path) -> None:
             data[key] = resolve(data[key], base)
 
 
+def without_moved_keys(plain: dict) -> dict:
+    """A copy of a recipe's plain form (a checkpoint's meta["recipe"]) without the keys that moved
+    elsewhere since it was written: the expert backend, now train.expert_backend, used to be a
+    model.moe field and an upcycle_moe argument. Lets resume, inspect and generate read old runs."""
+    import json
+
+    out = json.loads(json.dumps(plain))
+    if isinstance((out.get("model") or {}).get("moe"), dict):
+        out["model"]["moe"].pop("expert_backend", None)
+    for stage in out.get("stages") or []:
+        for step in (stage.get("grow") or []) if isinstance(stage, dict) else []:
+            if isinstance(step, dict):
+                step.pop("expert_backend", None)
+    return out
+
+
 def recipe_from_dict(raw: dict) -> Recipe:
     problems: list[str] = []
     recipe = parse_recipe(raw, problems, {})
@@ -357,7 +395,10 @@ class _Ctx:
             return None
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-        unknown = [k for k in raw if k not in fields]
+        moved = getattr(cls, "MOVED_KEYS", {})  # keys that now live elsewhere: name the new place
+        for key in [k for k in raw if k in moved and k not in fields]:
+            self.error(path + (key,), f"'{key}' is no longer set here: it is `{moved[key]}` now (set `{moved[key]}: {raw[key]}` instead)")
+        unknown = [k for k in raw if k not in fields and k not in moved]
         for key in unknown:
             near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
@@ -374,6 +415,11 @@ class _Ctx:
                 continue
             value = self.check_range(f, value, sub)
             if value is _INVALID:
+                ok = False
+                continue
+            problem = f.metadata["check"](value) if "check" in f.metadata else None
+            if problem is not None:
+                self.error(sub, problem)
                 ok = False
                 continue
             values[name] = value
@@ -591,14 +637,6 @@ def moe_problems(moe: MoEConfig) -> list[tuple[tuple, str]]:
         out.append((("expert_hidden",), f"must be >= 1, got {moe.expert_hidden}"))
     if moe.shared_expert_hidden < 0:
         out.append((("shared_expert_hidden",), "must be >= 0"))
-    from growtrain.model.moe import expert_backends
-
-    backends = expert_backends(moe.expert_format) if moe.expert_format in ("full", "nf4") else {}
-    if moe.expert_backend not in backends:
-        near = difflib.get_close_matches(moe.expert_backend, list(backends), n=1)
-        hint = f"; did you mean '{near[0]}'?" if near else ""
-        what = "" if moe.expert_format == "full" else f"{moe.expert_format} "
-        out.append((("expert_backend",), f"unknown {what}expert backend '{moe.expert_backend}'{hint} (valid: {', '.join(backends)})"))
     return out
 
 

@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import platform
 import resource
 import subprocess
@@ -34,7 +35,7 @@ from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.optim_registry import build_optimizer
 from growtrain.progress import Progress, stage_step_costs
-from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain
+from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain, without_moved_keys
 from growtrain.run_lock import RunDirLock, RunDirLocked
 from growtrain.stages import GrowthCheckFailed, apply_growth, plan_stage_models
 from growtrain.tokenizer import CHECKPOINT_TOKENIZER, tokenizer_file, tokenizer_identity
@@ -79,7 +80,7 @@ def forward_loss(model: GrowLM, inputs_BT, targets_BT, precision: str):
 @torch.no_grad()
 def evaluate(model: GrowLM, batches, precision: str) -> float:
     model.eval()
-    losses = [forward_loss(model, x, y, precision)[0].item() for x, y in batches]
+    losses = torch.stack([forward_loss(model, x, y, precision)[0].double() for x, y in batches]).tolist()  # one host sync
     model.train()
     return sum(losses) / len(losses)
 
@@ -98,7 +99,49 @@ def data_fingerprint(corpus: Corpus) -> str:
     return digest.hexdigest()
 
 
-def environment() -> dict:
+def resolve_device(setting: str, dist: Dist) -> torch.device:
+    """train.device: auto is cuda:LOCAL_RANK where CUDA is available (under NCCL, the process
+    group's device), else the CPU."""
+    if setting == "cpu":
+        if dist.active and dist.device.type != "cpu":
+            raise RecipeError([f"train.device: cpu, but the process group runs on {dist.device} (NCCL); use auto or cuda"])
+        return torch.device("cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RecipeError(["train.device: cuda, but no CUDA device is available here; use auto or cpu"])
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        if dist.active and dist.device.type == "cuda":
+            return dist.device
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def gpu_peak_tflops(device: torch.device) -> float | None:
+    """Dense bf16 peak of a GPU the planner has a preset for (by name), else None."""
+    if device.type != "cuda":
+        return None
+    from growtrain.plan import PRESETS
+
+    name = torch.cuda.get_device_name(device).lower()
+    for key, hw in PRESETS.items():
+        if key.split("-")[0] in name:
+            return hw.peak_tflops
+    return None
+
+
+def to_device(obj, device: torch.device):
+    """Every tensor in a nested dict/list moved to `device` (optimizer state from a checkpoint)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def environment(device: torch.device | None = None) -> dict:
     """What ran: code version, package versions, device (STYLE.md item 12)."""
     try:
         commit = subprocess.run(
@@ -106,7 +149,12 @@ def environment() -> dict:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        device = f"{device} ({props.name}, {props.total_memory / 2**30:.0f} GiB; {torch.cuda.device_count()} GPU(s) visible)"
+    else:
+        device = f"cpu ({torch.get_num_threads()} threads)"
     return {"code": commit or "unknown", "python": platform.python_version(), "torch": torch.__version__, "device": device}
 
 
@@ -121,12 +169,13 @@ RESUME_MAY_CHANGE = (
     "tracking",  # W&B mode/project/tags and the progress bar
     "checkpoint",  # how often checkpoints are written and how many are kept
     "distributed",  # combine mode (same bits either way) and the collective timeout
+    "train.expert_backend",  # other kernels, same experts: the same function, its bits within kernel rounding
 )
 
 
 def _comparable(recipe_plain: dict) -> dict:
-    """The recipe without the RESUME_MAY_CHANGE settings."""
-    out = json.loads(json.dumps(recipe_plain))  # a deep copy of plain data
+    """The recipe without the RESUME_MAY_CHANGE settings (nor keys that moved since it was written)."""
+    out = without_moved_keys(recipe_plain)
     for dotted in RESUME_MAY_CHANGE:
         *parents, leaf = dotted.split(".")
         node = out
@@ -193,6 +242,8 @@ class Run:
         self.tracker = Tracker(tracking, self.run_dir, recipe.name, self.log)
         self.dist.error_dir = self.run_dir / ".rank-errors"
         self.history: list[dict] = []
+        self.device = torch.device("cpu")
+        self._bad_update: torch.Tensor | None = None  # non-finite parameter count after the last update, not yet read
         self.last_loss = math.nan
         self.last_eval = math.nan
 
@@ -235,12 +286,17 @@ class Run:
             )
         pos = Position(meta["stage"], meta["stage_step"], meta["step"], meta["tokens"], loaded.trainer_state["bad_steps"], True)
         # The checkpoint loader already cut the experts (and their optimizer state) to this rank.
-        self.model = self.dist.shard(GrowLM(shapes[pos.stage]))
-        self.model.load_state_dict(loaded.model_state, strict=True)
+        with torch.device(self.device):
+            self.model = self.dist.shard(GrowLM(shapes[pos.stage]))
+        self.model.load_state_dict(loaded.model_state, strict=True)  # copies onto the model's device
         self.optimizer = build_optimizer(self.dist.owned(dict(self.model.named_parameters())), self.recipe.optimizer)
-        self.optimizer.load_state_dict({n: v for n, v in loaded.trainer_state["optimizer"].items() if n in self.optimizer.params})
+        owned = {n: v for n, v in loaded.trainer_state["optimizer"].items() if n in self.optimizer.params}
+        self.optimizer.load_state_dict(to_device(owned, self.device))  # a checkpoint from another device resumes here
         self.stream.load_state_dict(loaded.trainer_state["data"])
         torch.set_rng_state(loaded.trainer_state["rng"]["torch"])
+        cuda_rng = loaded.trainer_state["rng"].get("cuda")
+        if cuda_rng is not None and self.device.type == "cuda":  # from a CPU checkpoint there is none to restore
+            torch.cuda.set_rng_state(cuda_rng.cpu(), self.device)
         self.history = list(meta["growth_history"])
         self.wandb_id = meta.get("wandb_id")
         self.last_loss, self.last_eval = meta.get("loss", math.nan), meta.get("eval_loss", math.nan)
@@ -252,24 +308,37 @@ class Run:
         )
         return pos
 
-    def _stop_if_nonfinite_parameters(self, pos: Position, stage: StageConfig) -> None:
-        """Finite gradients can still give non-finite weights (an LR or multiplier that overflows the
-        update). Undoing the update would need a second copy of the weights and optimizer state, so
-        the run stops here, before anything of it can be checkpointed: resume restarts from the
-        last good checkpoint. One host sync per step (plus one all-reduce under expert parallelism)."""
+    def to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """A host batch on the training device: pinned and copied without blocking the host."""
+        if self.device.type == "cpu":
+            return batch
+        return batch.pin_memory().to(self.device, non_blocking=True)
+
+    def _nonfinite_count(self) -> torch.Tensor:
+        """How many parameters hold a NaN or an infinity, over all ranks, as a device tensor (no
+        host sync). Finite gradients can still give non-finite weights (an LR or multiplier that
+        overflows the update); undoing the update would need a second copy of the weights and
+        optimizer state, so such a step stops the run before anything of it is checkpointed."""
+        params = [p for p in self.model.parameters() if p.is_floating_point() and p.numel()]
+        if not params:
+            return torch.zeros((), dtype=torch.float64)
+        bad = torch.stack([p.isfinite().all() for p in params]).logical_not().sum().double()
+        return self.dist.sum_tensor(bad)
+
+    def _raise_bad_update(self, step: int, stage: StageConfig) -> None:
         bad = nonfinite_tensors(self.model.named_parameters())
-        (any_bad,) = self.dist.mean(float(len(bad)))
-        if any_bad > 0:
-            where = f" (first: {bad[0]})" if bad else " (on another rank)"
-            raise TrainingDiverged(
-                f"the update of step {pos.global_step + 1} (stage '{stage.name}') made parameters non-finite{where}, "
-                "from finite gradients: the learning rate or a multiplier overflows it. No checkpoint of this state was "
-                "written: resume restarts from the last good one. Lower the LR."
-            )
+        where = f" (first: {bad[0]})" if bad else " (on another rank)"
+        raise TrainingDiverged(
+            f"the update of step {step} (stage '{stage.name}') made parameters non-finite{where}, from finite "
+            "gradients: the learning rate or a multiplier overflows it. No checkpoint of this state was written: "
+            "resume restarts from the last good one. Lower the LR."
+        )
 
     # -- checkpoints -----------------------------------------------------------------------------
 
     def save(self, pos: Position, stage_end: bool) -> None:
+        if self._bad_update is not None and self._bad_update.item() > 0:  # the last update's check, read now
+            self._raise_bad_update(pos.global_step, self.recipe.stages[pos.stage])
         meta = {
             "stage": pos.stage,
             "stage_name": self.recipe.stages[pos.stage].name,
@@ -291,7 +360,7 @@ class Run:
         trainer_state = {
             "optimizer": self.optimizer.state_dict(),
             "data": self.stream.state_dict(),
-            "rng": {"torch": torch.get_rng_state()},
+            "rng": {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {})},
             "bad_steps": pos.bad_steps,
         }
         model_state = self.model.state_dict()
@@ -378,7 +447,9 @@ class Run:
         recipe = self.recipe
         if recipe.train.threads:
             torch.set_num_threads(recipe.train.threads)
-        self.env = environment()
+        self.device = resolve_device(recipe.train.device, self.dist)
+        self.env = environment(self.device)
+        self.peak_tflops = gpu_peak_tflops(self.device)
         torch.manual_seed(recipe.seed)
         self.log(f"growtrain {recipe.name}: {self.env['code']}, torch {self.env['torch']}, {self.env['device']}")
 
@@ -396,7 +467,7 @@ class Run:
         seed_shape = seed_model_config(recipe, corpus)
         shapes = plan_stage_models(seed_shape, [s.grow for s in recipe.stages])
         self._check_parallel(shapes)
-        probe = eval_batches(corpus.eval_tokens, recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len, 1)[0]
+        probe = tuple(map(self.to_device, eval_batches(corpus.eval_tokens, recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len, 1)[0]))
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.dist.clear_failures()
@@ -408,10 +479,14 @@ class Run:
             pos = self._restore(loaded, shapes)
         else:
             pos = Position()
-            self.model = self.dist.shard(GrowLM(seed_shape))
+            with torch.device(self.device):  # initialised where it trains: no host copy first
+                self.model = self.dist.shard(GrowLM(seed_shape))
             self.optimizer = build_optimizer(self.dist.owned(dict(self.model.named_parameters())), recipe.optimizer)
             if self.dist.is_main:
                 self.metrics.truncate_after(-1)
+        # Runtime state, not shape: set on the model as built or restored, and again after each growth.
+        backend = self.model.set_expert_backend(recipe.train.expert_backend)
+        self.log(f"expert backend: {backend} (train.expert_backend: {recipe.train.expert_backend})")
         if self.dist.is_main:
             (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
             if self.tokenizer_text is not None:
@@ -473,6 +548,7 @@ class Run:
         self.model = self.dist.shard(outcome.model)
         named = dict(self.model.named_parameters())
         self.optimizer.rebind(self.dist.owned(named), self.dist.shard_state(outcome.optimizer_state, named))
+        self.model.set_expert_backend(self.recipe.train.expert_backend)
         self.history.extend(outcome.records)
         for r in outcome.records:
             m = r["metrics"]
@@ -497,7 +573,7 @@ class Run:
         recipe = self.recipe
         precision = recipe.train.precision
         local = self.dist.local_rows
-        evals = [(local(x), local(y)) for x, y in eval_batches(corpus.eval_tokens, stage.batch_size, stage.seq_len, recipe.train.eval_batches)]
+        evals = [(self.to_device(local(x)), self.to_device(local(y))) for x, y in eval_batches(corpus.eval_tokens, stage.batch_size, stage.seq_len, recipe.train.eval_batches)]
         tokens_per_step = stage.batch_size * stage.seq_len * stage.grad_accum
         self.console.write(
             f"stage {pos.stage + 1}/{len(recipe.stages)} '{stage.name}': {self.num_parameters():,} params, "
@@ -508,26 +584,37 @@ class Run:
         self.progress.start_stage()
         while pos.stage_step < stage.steps:
             lr = stage.lr(pos.stage_step, base_lr)
-            ce_sum = aux_sum = 0.0
+            # The step's numbers stay on the device (float64, summed as Python floats would be)
+            # and are read once, together, below: one host sync per step whatever the depth, the
+            # MoE layers or the micro-batches (DESIGN.md §15).
+            ce_acc = aux_acc = None
             loads = None
             for _ in range(stage.grad_accum):
                 inputs, targets = self.stream.next_batch(stage.batch_size, stage.seq_len)
-                ce, aux, stats = forward_loss(self.model, local(inputs), local(targets), precision)
+                ce, aux, stats = forward_loss(self.model, self.to_device(local(inputs)), self.to_device(local(targets)), precision)
                 ((ce + aux) / stage.grad_accum).backward()
-                ce_sum += ce.item() / stage.grad_accum
-                aux_sum += aux.item() / stage.grad_accum
+                ce_part, aux_part = ce.detach().double() / stage.grad_accum, aux.detach().double() / stage.grad_accum
+                ce_acc = ce_part if ce_acc is None else ce_acc + ce_part
+                aux_acc = aux_part if aux_acc is None else aux_acc + aux_part
                 loads = [s.load for s in stats] if loads is None else [a + s.load for a, s in zip(loads, stats)]
             self.dist.sync_grads(self.model)
-            ce_sum, aux_sum = self.dist.mean(ce_sum, aux_sum)
+            ce_acc, aux_acc = self.dist.mean_tensor(torch.stack([ce_acc, aux_acc])).unbind(0)
             maybe_fault("step_mid")
             # Measured in the seed model's parametrization (per-element weights set by growth), so
             # clipping scales a grown model's step as it would have scaled the ungrown one's.
-            grad_norm = self.optimizer.clip_grad_norm(recipe.optimizer.grad_clip, self.dist.sum_squares if self.dist.active else None)
+            norm_t = self.optimizer.clip_grad_norm_(recipe.optimizer.grad_clip, self.dist.sum_squares if self.dist.active else None)
+            load_ratios = [(load.max() / load.mean().clamp_min(1e-9)).double() for load in loads or []]
+            pending = self._bad_update if self._bad_update is not None else torch.zeros((), dtype=torch.float64, device=ce_acc.device)
+            numbers = torch.stack([ce_acc, aux_acc, norm_t.double().to(ce_acc.device), pending.to(ce_acc.device), *load_ratios]).tolist()
+            ce_sum, aux_sum, grad_norm, bad_update, *load_ratios = numbers
+            if bad_update > 0:
+                self._raise_bad_update(pos.global_step, stage)
             finite = math.isfinite(ce_sum) and math.isfinite(aux_sum) and math.isfinite(grad_norm)
             if finite:
                 self.optimizer.step(lr)
                 self.dist.broadcast_dense(self.model)
-                self._stop_if_nonfinite_parameters(pos, stage)
+                # Read with the next step's numbers (or by the save below): no extra sync here.
+                self._bad_update = self._nonfinite_count()
                 if loads:
                     self.model.update_balance_biases(loads)
                 pos.bad_steps = 0
@@ -548,6 +635,7 @@ class Run:
             pos.global_step += 1
             pos.tokens += tokens_per_step
             now = time.perf_counter()
+            t_step = t_last
             record = {
                 "step": pos.global_step,
                 "stage": stage.name,
@@ -571,17 +659,29 @@ class Run:
                 self.metrics.append(record)
             wandb_metrics = {k: v for k, v in record.items() if k not in ("step", "stage")}
             wandb_metrics["stage_index"] = pos.stage
-            if loads:
-                for i, load in enumerate(loads):
-                    wandb_metrics[f"moe/layer{i}/load_max_over_mean"] = (load.max() / load.mean().clamp_min(1e-9)).item()
+            for i, ratio in enumerate(load_ratios):
+                wandb_metrics[f"moe/layer{i}/load_max_over_mean"] = ratio
             # A slow stage still talks every HEARTBEAT_S seconds (progress.py), whatever log_every says.
             if pos.global_step % recipe.train.log_every == 0 or stage_end or self.progress.line_due():
                 rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 wandb_metrics["memory/peak_rss_mb"] = rss_mb
+                # Counted FLOPs (the planner's, reversible recompute included) per second of this step.
+                tflops = self.progress.step_costs[pos.stage] / max(now - t_step, 1e-9) / 1e12 / self.dist.size
+                wandb_metrics["perf/tflops_per_device"] = tflops
+                gpu = ""
+                if self.device.type == "cuda":
+                    peak_gb = torch.cuda.max_memory_allocated(self.device) / 1e9
+                    wandb_metrics["memory/cuda_peak_gb"] = peak_gb
+                    wandb_metrics["memory/cuda_reserved_gb"] = torch.cuda.memory_reserved(self.device) / 1e9
+                    torch.cuda.reset_peak_memory_stats(self.device)  # the next line's peak is since this one
+                    gpu = f" gpu {peak_gb:.1f}GB"
+                    if self.peak_tflops:
+                        wandb_metrics["perf/flops_utilisation"] = tflops / self.peak_tflops
+                        gpu += f" fu {tflops / self.peak_tflops:.0%}"
                 evl = f" eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
                 self.console.write(
                     f"[{stage.name}] step {pos.global_step}/{self.console.total} loss {ce_sum:.4f}{evl} lr {lr:.2e} "
-                    f"gnorm {grad_norm:.3f} tok/s {record['tokens_per_s']:,.0f} mem {rss_mb:,.0f}MB "
+                    f"gnorm {grad_norm:.3f} tok/s {record['tokens_per_s']:,.0f} mem {rss_mb:,.0f}MB{gpu} "
                     f"eta {format_duration(self.progress.eta_seconds(pos.stage, pos.stage_step))}"
                 )
                 self.progress.line_written()

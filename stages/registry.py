@@ -11,7 +11,7 @@ whether it is exact (same logits in exact arithmetic), possibly depending on its
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -71,6 +71,8 @@ class Growth:
     blocks: dict[int, int] | None = None
     routers: dict[int, torch.Tensor | None] | None = None
     stream_view: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Why an exact operator may not be exact on this model's weights (e.g. tied routers): added to a failed check's problems.
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

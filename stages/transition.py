@@ -160,10 +160,13 @@ def apply_growth(model, optimizer_state, steps, *, seed, stage_index, stage_name
             torch.manual_seed(growth_seed(seed, stage_index, j))
             growth = op.apply(model, step.args)
         new_model = growth.model
+        new_model.set_expert_backend(model.expert_backend)  # runtime state: the probes compare like with like
         after = run_probe(new_model, inputs_BT)
         blocks = block_pairs(model, new_model, growth)
         routers = router_pairs(model, new_model, growth, blocks)
         metrics, problems = _function_report(before, after, targets_BT, blocks, growth.stream_view, routers, exact, invariance_cfg)
+        if problems and growth.notes:  # the operator's own account of what in these weights breaks it
+            problems = problems + list(growth.notes)
         planned_here = op.plan(model.config, step.args)
         with torch.device("meta"):
             planned_params = GrowLM(planned_here).num_parameters()

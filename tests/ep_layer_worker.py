@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from growtrain import collective_guard
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
 from growtrain.model.expert_parallel import EPGroup, shard_moe
 from growtrain.model.moe import MoE
@@ -21,6 +22,7 @@ from growtrain.model.moe import MoE
 
 def main(out: str, routing: str, expert_format: str, precision: str = "fp32") -> None:
     dist.init_process_group("gloo")
+    guard_on = collective_guard.install_from_env(torch.device("cpu"))  # the test sets GROWTRAIN_CHECK_COLLECTIVES=1
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     E, K, T, D = 8, 2, 13, 24  # an odd token count per rank
@@ -86,7 +88,7 @@ def main(out: str, routing: str, expert_format: str, precision: str = "fp32") ->
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"bitwise": bool(bits[0]), "load_is_global": bool(bits[1]), "rel_err": {k: v.item() for k, v in worst.items()}}, f)
+            json.dump({"collective_checks": guard_on, "bitwise": bool(bits[0]), "load_is_global": bool(bits[1]), "rel_err": {k: v.item() for k, v in worst.items()}}, f)
     dist.destroy_process_group()
 
 

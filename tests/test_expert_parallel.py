@@ -1,6 +1,8 @@
 """Expert parallelism on CPU processes (gloo, launched by torchrun): the layer against the unsharded
 one, the overlapped combine against the serial one, whole runs at EP = 1, 2, 4 across a split,
-resuming at another EP size, and a rank that dies or fails."""
+resuming at another EP size, and a rank that dies or fails. Every torchrun here runs with NCCL's
+rules checked (GROWTRAIN_CHECK_COLLECTIVES=1, growtrain/collective_guard.py): a collective tensor
+off the group's device, or a tensor through an *_object collective, fails the run."""
 
 from __future__ import annotations
 
@@ -53,15 +55,29 @@ STEPS = 20
 FP32_RTOL = 1e-5  # measured: ≤ 1.5e-7 relative at EP = 2 and 4 (summation order of the batch means)
 
 
+# What each rank prints on stderr when growtrain.collective_guard is on.
+CHECKS_ON = "collective checks on: every collective tensor on cpu"
+
+
+def checked_env(env: dict | None = None) -> dict:
+    return {**(env or cli_env()), "GROWTRAIN_CHECK_COLLECTIVES": "1"}
+
+
+def assert_checked(r: subprocess.CompletedProcess, n: int) -> None:
+    assert r.stderr.count(CHECKS_ON) == n, f"collective checks must be on in all {n} ranks:\n{r.stderr[-2000:]}"
+
+
 def torchrun(n: int, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *map(str, args)],
         cwd=REPO,
-        env=env or cli_env(),
+        env=checked_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+    assert_checked(r, n)
+    return r
 
 
 def growtrain_torchrun(n: int, *args, **kw) -> subprocess.CompletedProcess:
@@ -198,6 +214,7 @@ def test_overlapped_combine_equals_serial_bit_for_bit_and_the_whole_layer(tmp_pa
     r = torchrun(world, REPO / "tests" / "ep_layer_worker.py", out, routing, fmt, precision)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["collective_checks"], "the worker must run with the collective guard on"
     assert report["bitwise"], "the overlapped combine must give the serial combine's output and gradients bit for bit"
     assert report["load_is_global"], "the reported load must count every rank's tokens"
     # vs the unsharded layer on all tokens at once: fp32 rounding; under bf16 autocast the expert
@@ -205,6 +222,39 @@ def test_overlapped_combine_equals_serial_bit_for_bit_and_the_whole_layer(tmp_pa
     tol = 1e-6 if precision == "fp32" else 2e-2
     for name, err in report["rel_err"].items():
         assert err < tol, f"{name}: relative error {err:.2e} vs the unsharded layer"
+
+
+# ------------------------------------------------------------------------- NCCL's rules on gloo
+
+# Case of tests/collective_guard_worker.py → what its refusal must say.
+GUARD_REFUSALS = {
+    "all_reduce_other_device": ["all_reduce: argument tensor is on meta", "take tensors on cpu only"],
+    "all_gather_mixed_devices": ["all_gather: argument tensor_list[1] is on meta", "mixes tensors on cpu, meta"],
+    "all_to_all_single_output_elsewhere": ["all_to_all_single: argument output is on meta", "mixes tensors on cpu, meta"],
+    "broadcast_other_device": ["broadcast: argument tensor is on meta"],
+    "p2p_other_device": ["batch_isend_irecv: argument p2p_op_list[0] (isend to rank 1) is on meta"],
+    "all_gather_object_with_tensors": ["all_gather_object: argument obj['w']['exp_avg'] is a tensor"],
+    "broadcast_object_list_tensor": ["broadcast_object_list: argument object_list[0] is a tensor"],
+    "broadcast_object_list_other_device": ["broadcast_object_list: device=meta", "run on cpu"],
+}
+
+
+def test_the_collective_guard_refuses_what_nccl_would_in_a_two_process_gloo_run(tmp_path):
+    out = tmp_path / "guard.json"
+    r = torchrun(2, REPO / "tests" / "collective_guard_worker.py", out, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["guard_on"]
+    assert report["refused"].keys() == GUARD_REFUSALS.keys()
+    for case, parts in GUARD_REFUSALS.items():
+        message = report["refused"][case]
+        assert message is not None, f"{case}: the guard let the call through"
+        for part in parts:
+            assert part in message, f"{case}: {part!r} not in {message!r}"
+    # Right calls still work through the wrappers, and Dist's state gather (tensors by all_gather /
+    # broadcast, layouts as objects) rebuilds the full optimizer state on every rank.
+    assert report["worked"] == {"all_reduce": True, "ring": True, "broadcast_object_list": True, "gather_state": True}
+    assert report["all_ranks_agree"], "a refusal must happen on every rank, or the others wait in the collective"
 
 
 # ------------------------------------------------------------------------- whole runs
@@ -291,8 +341,9 @@ def test_accelerate_launch_trains_as_torchrun_does(ep_runs, tmp_path):
     # processes (gloo) as torchrun does. (--cpu --num_processes N starts one process.)
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
     cmd += ["--dynamo_backend", "no", "-m", "growtrain", "run", ep_runs["recipe"], "--out", tmp_path / "acc"]
-    r = subprocess.run([str(c) for c in cmd], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(c) for c in cmd], cwd=REPO, env=checked_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert_checked(r, 2)
     assert "expert parallelism: 2 processes" in r.stdout
     assert losses(tmp_path / "acc") == losses(ep_runs[2])
 

@@ -143,9 +143,9 @@ def test_init_scales_output_projections_by_depth():
 def test_unknown_expert_backend_lists_the_valid_names():
     with pytest.raises(ValueError, match="reference"):
         get_expert_backend("triton-typo")
-    cfg = tiny_config(moe_layers=(0,))
-    with pytest.raises(ValueError, match="valid names"):
-        GrowLM(cfg.with_changes(moe=MoEConfig(expert_backend="nope")))
+    model = GrowLM(tiny_config(moe_layers=(0,)))
+    with pytest.raises(ValueError, match="valid: auto, reference"):
+        model.set_expert_backend("nope")
     assert "reference" in EXPERT_BACKENDS
 
 

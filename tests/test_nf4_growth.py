@@ -31,7 +31,7 @@ from growtrain.model.nf4 import MATRICES, NF4Experts, dequantize_stack
 from growtrain.optim import AdamW
 from growtrain.optim_registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, RecipeError, recipe_from_dict
-from growtrain.stages import GrowthPlanError, apply_growth, get_operator
+from growtrain.stages import GrowthCheckFailed, GrowthPlanError, apply_growth, get_operator
 from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs
 from growtrain.stages.transition import map_optimizer_state
 
@@ -218,6 +218,52 @@ def test_a_recipe_that_splits_unsliceable_nf4_experts_fails_validation_naming_th
     assert "stages.1.grow.1" in str(err.value) and "16384" in str(err.value)
     raw["stages"][1]["grow"][0]["double_quant"] = False  # 32 x 32 = 1024 elements per child: whole blocks
     recipe_from_dict(raw)
+
+
+def tie_router_rows(model, block, groups) -> None:
+    """Experts of each group in `groups` get the first one's router row and balance bias: siblings of
+    an earlier split that training has not separated yet."""
+    router = model.blocks[block].g.ffn.router
+    with torch.no_grad():
+        for group in groups:
+            for e in group[1:]:
+                router.weight[e] = router.weight[group[0]]
+                router.balance_bias[e] = router.balance_bias[group[0]]
+
+
+def test_an_nf4_split_of_a_router_whose_top_k_can_cut_a_tied_group_fails_its_check_saying_why():
+    # Experts 1 and 2 tie exactly, 0 and 3 do not; top-2 then takes one of the pair for every token
+    # whose pair score falls between the others', chosen by torch.topk's tie-break. The codes split
+    # exactly (the children reproduce the parent under its own routing); the children's top-4 picks
+    # 2 of the 4 tied children by its own tie-break, which is not "both children of the parent's pick".
+    model, opt = trained(nf4_config())
+    tie_router_rows(model, 0, [(1, 2)])
+    growth = split.apply(copy.deepcopy(model), SplitExpertsArgs())
+    E = model.config.moe.num_experts
+    old_moe, new_moe = model.blocks[0].g.ffn, growth.model.blocks[0].g.ffn
+    x_TD = torch.randn(64, model.config.d_model, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        y_old, stats = old_moe(x_TD)
+        y_forced, _ = new_moe(x_TD, routing=torch.cat([stats.top_k_indices, stats.top_k_indices + E], dim=1))
+        y_new, _ = new_moe(x_TD)
+    assert rel(y_old, y_forced) < 1e-5, "under the parent's routing the NF4 children must reproduce it"
+    assert rel(y_old, y_new) > 1e-3, "the tie-break must differ for some token, or this test covers nothing"
+    (note,) = growth.notes  # block 1's router has no ties
+    assert "block 0" in note and "torch.topk" in note and "Train longer" in note, note
+    with pytest.raises(GrowthCheckFailed) as err:
+        grow(model, opt.state, split, SplitExpertsArgs())
+    assert any("torch.topk" in p and "block 0" in p for p in err.value.record["problems"]), err.value.record["problems"]
+
+
+def test_an_nf4_split_stays_exact_when_every_tied_group_is_taken_whole():
+    # Pairs {0, 1} and {2, 3} tie, top_k 2: every token takes one whole pair (two splits back to
+    # back, before training); no ties at all in block 1.
+    model, opt = trained(nf4_config())
+    assert split.apply(copy.deepcopy(model), SplitExpertsArgs()).notes == []
+    tie_router_rows(model, 0, [(0, 1), (2, 3)])
+    assert split.apply(copy.deepcopy(model), SplitExpertsArgs()).notes == []
+    (record,) = grow(model, opt.state, split, SplitExpertsArgs()).records
+    assert record["passed"] and record["metrics"]["rel_l2"] < 2e-6, record["metrics"]
 
 
 # ---------------------------------------------------------------- clone_experts

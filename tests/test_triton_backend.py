@@ -1,4 +1,4 @@
-"""The `triton` expert backend as a recipe choice: same results as the reference where Triton runs
+"""The `triton` expert backend as a run setting (train.expert_backend): same results as the reference where Triton runs
 (here: its CPU interpreter), and a logged fallback — never a silent one — where it cannot."""
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from growtrain.model.config import ModelConfig, MoEConfig  # noqa: E402
 def _model(backend: str) -> GrowLM:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=2, ffn_hidden=48, reversible=False,
-                      moe=MoEConfig(num_experts=5, top_k=2, expert_hidden=24, expert_backend=backend), moe_layers=(1,))
-    return GrowLM(cfg)
+                      moe=MoEConfig(num_experts=5, top_k=2, expert_hidden=24), moe_layers=(1,))
+    model = GrowLM(cfg)
+    model.set_expert_backend(backend)
+    return model
 
 
 def test_triton_backend_matches_the_reference_forward_and_backward(monkeypatch):
@@ -64,8 +66,8 @@ def test_triton_backend_matches_the_reference_forward_and_backward(monkeypatch):
 
 @pytest.mark.slow
 def test_a_run_on_the_triton_backend_where_triton_cannot_run_says_it_uses_the_reference(micro_recipe, tmp_path):
-    grow = [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2, "expert_backend": "triton"}]
-    recipe = micro_recipe({"stages": [
+    grow = [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2}]
+    recipe = micro_recipe({"train": {"expert_backend": "triton"}, "stages": [
         {"name": "dense", "steps": 2, "seq_len": 16, "batch_size": 2},
         {"name": "moe", "steps": 2, "seq_len": 16, "batch_size": 2, "grow": grow},
     ]})

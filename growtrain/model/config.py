@@ -4,7 +4,7 @@ planner all read. Frozen so that a stage's shape can be derived, compared and ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,13 @@ class DenseLoRAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """One routed-expert FFN layer (DESIGN.md §4)."""
+    """One routed-expert FFN layer (DESIGN.md §4). Shape and training math only: which kernels run
+    the experts is runtime state (train.expert_backend, GrowLM.set_expert_backend), so a resume on
+    other hardware is not a change of model."""
+
+    # Keys that used to live here, and where they are set now. Recipes that still give one are
+    # refused with that name (growtrain/recipe.py); checkpoints that still hold one load without it.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"expert_backend": "train.expert_backend"}
 
     num_experts: int = field(default=8, metadata={"doc": "Routed experts per MoE layer."})
     top_k: int = field(default=2, metadata={"doc": "Experts chosen per token."})
@@ -80,9 +86,6 @@ class MoEConfig:
     aux_loss_coef: float = field(default=0.01, metadata={"doc": "Weight of the load-balance loss.", "ge": 0.0})
     z_loss_coef: float = field(default=0.001, metadata={"doc": "Weight of the router z-loss.", "ge": 0.0})
     router_init_std: float = field(default=0.02, metadata={"doc": "Std of the router's initial weights.", "gt": 0.0})
-    expert_backend: str = field(
-        default="reference", metadata={"doc": "Expert compute backend (a registry name, e.g. 'reference')."}
-    )
     expert_format: Literal["full", "nf4"] = field(
         default="full",
         metadata={
@@ -159,4 +162,6 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         """Inverse of the plain-dict form stored in checkpoints (meta.json's model_config)."""
         moe = d.get("moe")
+        if moe:  # checkpoints written before issue 13 hold moe.expert_backend: runtime state now
+            moe = {k: v for k, v in moe.items() if k not in MoEConfig.MOVED_KEYS}
         return cls(**{**d, "moe": MoEConfig(**moe) if moe else None, "moe_layers": tuple(d.get("moe_layers", ()))})

@@ -17,7 +17,7 @@ from torch import nn
 
 from growtrain.model.config import ModelConfig
 from growtrain.model.layers import AttentionBranch, AttentionCache, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
-from growtrain.model.moe import MoE, MoEStats, update_balance_bias
+from growtrain.model.moe import MoE, MoEStats, resolve_expert_backend, update_balance_bias
 from growtrain.model.reversible import plain_blocks, reversible_blocks
 
 
@@ -116,6 +116,20 @@ class GrowLM(nn.Module):
                 for adapter in module.lora_A:
                     module.reset_lora_parameters(adapter, True)
         self._init_own_weights()
+
+    # The expert backend the MoE layers run: runtime state, not shape (ModelConfig holds none), so
+    # a checkpoint resumes on any hardware. Growth copies it to the grown model (stages/transition.py).
+    expert_backend: str = "reference"
+
+    def set_expert_backend(self, setting: str) -> str:
+        """Run every MoE layer on train.expert_backend `setting` ('auto' resolved for the device of
+        the model's parameters); returns the backend name it resolved to."""
+        device = next(self.parameters()).device
+        name = resolve_expert_backend(setting, device)
+        for layer in self.moe_layers:
+            layer.set_expert_backend(name)
+        self.expert_backend = name
+        return name
 
     @property
     def moe_layers(self) -> list[MoE]:

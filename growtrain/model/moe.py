@@ -14,6 +14,7 @@ F expert hidden width, E1 = E + 1 offsets.
 
 from __future__ import annotations
 
+import difflib
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from growtrain.kernels.backend import triton_expert_backend, triton_nf4_expert_backend
+from growtrain.kernels.backend import triton_expert_backend, triton_nf4_expert_backend, triton_unavailable_reason
 from growtrain.kernels.nf4_reference import NF4LoRAExperts, grouped_swiglu_nf4_lora_reference
 from growtrain.kernels.reference import grouped_swiglu_reference
 from growtrain.model.config import ModelConfig, MoEConfig
@@ -62,6 +63,36 @@ def get_expert_backend(name: str, expert_format: str = "full"):
         valid = ", ".join(sorted(registry))
         what = "" if expert_format == "full" else f"{expert_format} "
         raise ValueError(f"unknown {what}expert backend {name!r}; valid names: {valid}") from None
+
+
+def expert_backend_settings() -> list[str]:
+    """What train.expert_backend accepts: 'auto', or a backend that every expert format has (one
+    setting serves the whole run, whose experts may turn NF4 at a stage boundary)."""
+    return ["auto"] + [name for name in EXPERT_BACKENDS if name in NF4_EXPERT_BACKENDS]
+
+
+def expert_backend_setting_problem(setting) -> str | None:
+    """None for a valid train.expert_backend; otherwise what is wrong, with the valid names."""
+    valid = expert_backend_settings()
+    if setting in valid:
+        return None
+    near = difflib.get_close_matches(str(setting), valid, n=1)
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    return f"unknown expert backend '{setting}'{hint} (valid: {', '.join(valid)})"
+
+
+def resolve_expert_backend(setting: str, device: torch.device | str) -> str:
+    """The backend name that train.expert_backend means for experts on `device`. auto: the Triton
+    kernels (full precision, and NF4 + LoRA fused) on a CUDA device where Triton can run, the
+    PyTorch reference elsewhere. An explicit name is kept as it is: 'triton' on the CPU runs the
+    reference and logs why at its first call (growtrain/kernels/backend.py), as before."""
+    problem = expert_backend_setting_problem(setting)
+    if problem is not None:
+        raise ValueError(f"train.expert_backend: {problem}")
+    if setting != "auto":
+        return setting
+    device = torch.device(device)
+    return "triton" if device.type == "cuda" and triton_unavailable_reason(device) is None else "reference"
 
 
 def _autocast_off(device_type: str):
@@ -158,10 +189,11 @@ class MoE(nn.Module):
             raise ValueError(f"moe.top_k must be in 1..num_experts={moe.num_experts}, got {moe.top_k}")
         if moe.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"moe.score_func must be 'softmax' or 'sigmoid', got {moe.score_func!r}")
-        get_expert_backend(moe.expert_backend, moe.expert_format)  # fail at build time, not at the first step
         self.config: MoEConfig = moe
         self.ep: EPGroup | None = None  # set by expert_parallel.shard_experts: this rank holds a slice
-        self.expert_backend = moe.expert_backend
+        # Runtime state, not shape (train.expert_backend): the trainer sets it after building,
+        # restoring and growing the model (GrowLM.set_expert_backend).
+        self.expert_backend = "reference"
         out_std = out_proj_std(config)
         self.router = Router(config.d_model, moe.num_experts, moe.router_init_std)
         if moe.expert_format == "nf4":
@@ -175,6 +207,11 @@ class MoE(nn.Module):
             if moe.shared_expert_hidden > 0
             else None
         )
+
+    def set_expert_backend(self, name: str) -> None:
+        """Run the experts on backend `name` of this layer's expert format from now on."""
+        get_expert_backend(name, self.config.expert_format)  # fail here, not at the first step
+        self.expert_backend = name
 
     @property
     def num_experts(self) -> int:

@@ -16,7 +16,18 @@ loss is unchanged too (E·Σ f_e P_e: f-fold more experts with loads and probabi
 the z-loss is not (the logsumexp grows by log f). Optimizer state: gate/up slices are the old
 elements (β = 1, S = 1), down-projection slices β = f, S = f, router rows β = 1, S = f. Experts'
 steps are then exactly the old steps; the router rows' are not: siblings get unequal shares of
-their parent's gradient (the shares sum to it), so after the first step they drift apart.
+their parent's gradient (the shares sum to it), so once they are trained they drift apart.
+
+Until then siblings tie exactly: bitwise-identical router rows and selection biases, so the same
+selection score for every token. Siblings that no token of a batch selects get identical
+gradients (from the aux losses alone) and identical balance-bias steps, so a model trained only a
+step or two after a split keeps some sibling groups tied and others separated. A later split of
+such a model is exact only where every token's top-k takes each tied group whole: that holds when
+all groups have one size g dividing top_k (e.g. two splits back to back, before any training),
+and fails once sizes mix, where a top-k can take part of a group. Which part is torch.topk's
+unspecified tie-break, which the children, f times as many ties laid out round-robin, cannot
+reproduce. `selection_tie_problems` finds such layers from the weights; apply_split attaches what
+it finds to the Growth as notes, which a failed invariance check reports.
 
 clone_experts (E → mE, top_k fixed; approximate): every child starts as its parent's copy; all
 children but the first redraw a fraction of their neurons (drop-upcycling: gate/up rows and down
@@ -190,7 +201,38 @@ def apply_split(model, args: SplitExpertsArgs) -> Growth:
         for b in moe_blocks(old_cfg):
             _split_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", f, new, provenance)
     parent = torch.arange(f * E) % E
-    return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)})
+    notes = [f"split_experts ×{f}: {p}" for p in selection_tie_problems(model)]
+    return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)}, notes=notes)
+
+
+def selection_tie_problems(model) -> list[str]:
+    """One line per MoE layer whose top-k can take part of a group of exactly tied experts (bitwise
+    identical router rows and selection biases, so equal selection scores for every token), saying
+    why a split cannot then be exact and what to do; [] when every group is taken whole (all groups
+    one size g with g | top_k, including no ties at all, g = 1). From the weights alone: whether a
+    given token does cut a group depends on the other experts' scores."""
+    cfg = model.config
+    k = cfg.moe.top_k if cfg.moe is not None else 0
+    problems = []
+    for b in moe_blocks(cfg):
+        router = model.blocks[b].g.ffn.router
+        # [E, D + 1] keys: two experts tie for every token exactly when their keys are equal.
+        keys_EK = torch.cat([router.weight.detach().float(), router.balance_bias.detach().float().unsqueeze(1)], dim=1)
+        _, counts_G = torch.unique(keys_EK, dim=0, return_counts=True)
+        sizes = sorted(set(counts_G.tolist()))
+        if len(sizes) == 1 and k % sizes[0] == 0:
+            continue
+        tied = counts_G[counts_G > 1]
+        size_list = ", ".join(f"{int((counts_G == s).sum())} of {s}" for s in sizes)
+        problems.append(
+            f"block {b}: {int(tied.sum())} of {keys_EK.shape[0]} experts tie exactly in {tied.numel()} groups (bitwise-identical "
+            f"router rows and selection bias; groups by size: {size_list}; top_k {k}), siblings of an earlier split or clone "
+            f"that training has not separated yet. A token's top-{k} can take part of a tied group, and which part is "
+            f"torch.topk's unspecified tie-break, which the children cannot reproduce, so the split is not exact for such "
+            f"tokens. Train longer between the two splits, so that the siblings separate, or do both splits back to back "
+            f"before training (tied groups of one size dividing top_k are always taken whole)"
+        )
+    return problems
 
 
 def _tile(f: int):
@@ -296,7 +338,7 @@ register(
         "split_experts",
         True,
         "E → f·E experts and top_k → f·top_k: each expert's neurons cut into f children, router rows duplicated, "
-        "down-projections ×f (each child gets gate/f); exact unless the k-th and (k+1)-th router logits tie. Expert parameters "
+        "down-projections ×f (each child gets gate/f); exact unless the k-th and (k+1)-th router logits tie (as siblings of an earlier split do until trained apart: named in a failed check). Expert parameters "
         "unchanged (the router gains rows). NF4 experts: codes cut without requantizing (factor a power of two; each child's "
         "matrix a multiple of 64 elements, 16384 with double quantization), LoRA pairs split with them.",
         SplitExpertsArgs,

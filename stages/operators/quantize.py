@@ -25,7 +25,6 @@ import torch
 from growtrain.model import GrowLM
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig
 from growtrain.model.dense_lora import refuse_peft_wrapped
-from growtrain.model.moe import NF4_EXPERT_BACKENDS
 from growtrain.model.nf4 import MATRICES, fresh_adapters, quantize_stack, stack_state, stored_layout
 from growtrain.stages.common import carry, materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
@@ -51,10 +50,6 @@ def plan_quantize(cfg: ModelConfig, args: QuantizeExpertsArgs) -> ModelConfig:
         raise GrowthPlanError("quantize_experts: the experts are already NF4 (merge_adapters folds the adapters into them)")
     if (cfg.d_model * cfg.moe.expert_hidden) % 2:
         raise GrowthPlanError(f"quantize_experts: NF4 packs two weights per byte; d_model x expert_hidden = {cfg.d_model} x {cfg.moe.expert_hidden} is odd")
-    if cfg.moe.expert_backend not in NF4_EXPERT_BACKENDS:
-        raise GrowthPlanError(
-            f"quantize_experts: expert backend '{cfg.moe.expert_backend}' has no NF4 version (NF4 backends: {', '.join(sorted(NF4_EXPERT_BACKENDS))})"
-        )
     lora = ExpertLoRAConfig(r=args.r, lora_alpha=args.lora_alpha, use_rslora=args.use_rslora)
     return cfg.with_changes(moe=replace(cfg.moe, expert_format="nf4", double_quant=args.double_quant, lora=lora))
 

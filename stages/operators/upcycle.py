@@ -13,7 +13,7 @@ their own step count; a kept element's S is the number of experts that kept it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 import torch
@@ -25,6 +25,10 @@ from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provena
 
 @dataclass(frozen=True)
 class UpcycleArgs:
+    # The expert backend is a runtime setting (it changes no weight): a recipe that still sets it
+    # here is refused with the new key's name (growtrain/recipe.py).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"expert_backend": "train.expert_backend"}
+
     num_experts: int = field(default=8, metadata={"doc": "Experts per upcycled layer.", "ge": 1})
     top_k: int = field(default=2, metadata={"doc": "Experts per token.", "ge": 1})
     layers: tuple[int, ...] = field(default=(), metadata={"doc": "Dense blocks to upcycle; empty: every dense block."})
@@ -33,7 +37,6 @@ class UpcycleArgs:
     z_loss_coef: float = field(default=0.001, metadata={"doc": "Router z-loss weight.", "ge": 0.0})
     balance_bias_rate: float = field(default=0.0, metadata={"doc": "Loss-free balancing bias rate; 0: off.", "ge": 0.0})
     router_init_std: float = field(default=0.02, metadata={"doc": "Std of the fresh router.", "gt": 0.0})
-    expert_backend: str = field(default="reference", metadata={"doc": "Expert compute backend."})
     drop_ratio: float = field(
         default=0.0,
         metadata={"doc": "Drop-upcycling: fraction of each expert's neurons redrawn; > 0 makes the operator approximate.", "ge": 0.0, "le": 1.0},
@@ -64,7 +67,6 @@ def plan(cfg: ModelConfig, args: UpcycleArgs) -> ModelConfig:
         z_loss_coef=args.z_loss_coef,
         balance_bias_rate=args.balance_bias_rate,
         router_init_std=args.router_init_std,
-        expert_backend=args.expert_backend,
     )
     if cfg.moe is not None and cfg.moe != moe:
         raise GrowthPlanError("upcycle_moe: the model already has MoE layers with other settings; upcycle with the same settings")

@@ -1,0 +1,184 @@
+"""The training-loop parts of the GPU validation call (issue 13, benchmarks/gpu_checks.sh parts 3-5):
+
+3. the tiny recipe (shortened) trained on the device with `train.expert_backend: auto` (Triton on
+   CUDA): every growth check passes; its losses follow a CPU fp32 run of the same recipe within
+   LOSS_BAR (relative) over the first COMPARE_STEPS steps; killed once with kill -9 mid-run and
+   resumed, it repeats the uninterrupted device run's losses exactly;
+4. CUDA only: torch.cuda.max_memory_allocated per stage against `growtrain plan` for the same
+   recipe on one GPU of the matching preset (ratio reported, within +-25%);
+5. host syncs per training step: on CUDA counted by torch.cuda.set_sync_debug_mode("warn"), on the
+   CPU by growtrain.host_syncs (the calls that would sync).
+
+`--device cpu` (what CI runs, so the script cannot rot without a GPU): the same checks on the CPU
+with the reference backend; part 4 is reported as not applicable. Prints a table, writes
+summary.json under --out, exits 1 if any part fails.
+
+    python benchmarks/gpu_train_checks.py --device cuda|cpu --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = {"dense": 60, "moe": 40, "deep": 30, "nf4": 10}  # the tiny recipe's stages, shortened
+WARMUP = {"dense": 10, "moe": 10, "deep": 5, "nf4": 2}
+COMPARE_STEPS = 20
+LOSS_BAR = 0.03  # bf16-class bar: Triton's fp32 accumulation order vs the CPU reference, 20 steps
+KILL_AT = 75  # a step of the 'moe' stage, after a checkpoint (every 25 below)
+
+
+def recipe_sets(device: str, backend: str) -> list[str]:
+    sets = ["--set", f"train.device={device}", "--set", f"train.expert_backend={backend}", "--set", "tracking.wandb.mode=disabled",
+            "--set", "train.log_every=5", "--set", "train.eval_every=25", "--set", "checkpoint.every_steps=25", "--set", "checkpoint.keep_last=10"]
+    for i, name in enumerate(STEPS):
+        sets += ["--set", f"stages.{i}.steps={STEPS[name]}", "--set", f"stages.{i}.schedule.warmup_steps={WARMUP[name]}"]
+    return sets
+
+
+def env(**extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "GROWTRAIN_"))}
+    # Deterministic GPU kernels: a resumed run must repeat the uninterrupted one's bits.
+    e.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    e.update(extra)
+    return e
+
+
+def train(out: Path, device: str, backend: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "growtrain", "run", "tiny", "--out", str(out), *recipe_sets(device, backend)]
+    return subprocess.run(cmd, cwd=REPO, env=env(**({"GROWTRAIN_FAULT": fault} if fault else {})), capture_output=True, text=True, timeout=900)
+
+
+def losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def rows_of(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def part3(out: Path, device: str) -> dict:
+    backend = "auto"
+    ref = train(out / "cpu_fp32", "cpu", "reference")
+    main = train(out / "device_run", device, backend)
+    res = {"reference_rc": ref.returncode, "device_rc": main.returncode}
+    if ref.returncode or main.returncode:
+        res["ok"] = False
+        res["error"] = (ref.stderr if ref.returncode else main.stderr)[-2000:]
+        return res
+    res["growth_checks"] = "passed" if "growth check failed" not in main.stdout else "failed"
+    a, b = losses(out / "cpu_fp32"), losses(out / "device_run")
+    rel = [abs(a[s] - b[s]) / abs(a[s]) for s in range(1, COMPARE_STEPS + 1)]
+    res["max_rel_loss_diff_first_steps"] = max(rel)
+    res["final_loss_cpu"], res["final_loss_device"] = a[max(a)], b[max(b)]
+    killed = train(out / "killed", device, backend, fault=f"step_mid:{KILL_AT}")
+    resumed = train(out / "killed", device, backend)
+    res["killed_rc"], res["resumed_rc"] = killed.returncode, resumed.returncode
+    res["resumed"] = "resumed from" in resumed.stdout
+    if resumed.returncode == 0:
+        c = losses(out / "killed")
+        diffs = [abs(c[s] - b[s]) for s in b]
+        res["resume_max_abs_loss_diff"] = max(diffs)
+        res["resume_bitwise"] = c == b
+    res["ok"] = (
+        res["growth_checks"] == "passed" and res["max_rel_loss_diff_first_steps"] <= LOSS_BAR and killed.returncode == -signal.SIGKILL
+        and res["resumed"] and res.get("resume_bitwise", False)
+    )
+    return res
+
+
+def part4(out: Path, device: str) -> dict:
+    if device != "cuda":
+        return {"ok": True, "applicable": False, "why": "needs CUDA memory statistics"}
+    import torch
+
+    from growtrain.plan import PRESETS
+
+    name = torch.cuda.get_device_name().lower()
+    preset = next((k for k in PRESETS if k.split("-")[0] in name), "h100-80gb")
+    plan = subprocess.run([sys.executable, "-m", "growtrain", "plan", "tiny", "--hardware", preset, "--gpus", "1", "--json"],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    if plan.returncode not in (0, 1):
+        return {"ok": False, "error": plan.stderr[-2000:]}
+    planned = {s["name"]: s["memory"] for s in json.loads(plan.stdout)["stages"]}
+    measured: dict[str, float] = {}
+    for row in rows_of(out / "device_run"):
+        if "memory/cuda_peak_gb" in row:
+            measured[row["stage"]] = max(measured.get(row["stage"], 0.0), row["memory/cuda_peak_gb"] * 1e9)
+    ratios = {}
+    for stage, mem in planned.items():
+        # The plan's runtime reserve is not allocated memory; everything else is.
+        want = mem["total"] - mem.get("runtime_reserve", 0)
+        if stage in measured and want > 0:
+            ratios[stage] = measured[stage] / want
+    return {"ok": bool(ratios) and all(0.75 <= r <= 1.25 for r in ratios.values()), "preset": preset, "measured_over_planned": ratios}
+
+
+def part5(out: Path, device: str) -> dict:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from host_syncs import recipe as sync_recipe
+
+    from growtrain.host_syncs import per_step_syncs
+
+    raw = sync_recipe(4, 2)
+    raw["train"]["device"] = device
+    raw["train"]["expert_backend"] = "auto"
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_sync_debug_mode("warn")
+        counts = []
+        try:
+            for n in (3, 6):
+                raw["stages"][0]["steps"] = n
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    from growtrain.recipe import recipe_from_dict
+                    from growtrain.train import run
+
+                    run(recipe_from_dict(raw), out / f"syncs{n}", resume="never", log=lambda *a, **k: None)
+                counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        per_step = (counts[1] - counts[0]) / 3
+        return {"ok": True, "syncs_per_step_4_moe_blocks_accum2": per_step, "counted_by": "torch.cuda.set_sync_debug_mode"}
+    got = per_step_syncs(raw, 3, out / "syncs")
+    return {"ok": got["trainer"] <= 1, "syncs_per_step_4_moe_blocks_accum2": got["trainer"], "reference_backend": got["expert_backend"],
+            "counted_by": "growtrain.host_syncs"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--out", type=Path, default=Path("gpu_checks_out") / "train")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for name, part in (("3_train_resume", part3), ("4_memory_vs_plan", part4), ("5_host_syncs", part5)):
+        t0 = time.perf_counter()
+        try:
+            summary[name] = part(args.out, args.device)
+        except Exception as exc:  # noqa: BLE001 — a part's failure is reported, the others still run
+            summary[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        summary[name]["seconds"] = round(time.perf_counter() - t0, 1)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print(f"training checks on {args.device}")
+    for name, res in summary.items():
+        shown = {k: v for k, v in res.items() if k not in ("ok", "error")}
+        print(f"  {name:<18} {'ok  ' if res['ok'] else 'FAIL'} {json.dumps(shown, default=str)}")
+        if "error" in res:
+            print(f"    error: {res['error'][-600:]}")
+    return 0 if all(r["ok"] for r in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
