@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default 0)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context for every token (slow; the reference path)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the model runs (auto: cuda where available, else cpu); the same seed gives the same draws")
 
     p = sub.add_parser("export-adapters", help="write a checkpoint's LoRA adapters in peft's layout (adapter_config.json + safetensors)",
                        description="Write the LoRA adapters of a checkpoint (the NF4 experts' per-expert LoRA pairs, as peft "
@@ -270,6 +272,11 @@ def cmd_generate(args) -> int:
         if value < 0:
             print(f"error: {flag} must be >= 0, got {value}", file=sys.stderr)
             return 2
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but no CUDA device is available here; use auto or cpu", file=sys.stderr)
+        return 2
     from growtrain.generate import generate_from_checkpoint, write_flushed
 
     # Streamed: the prompt once the model has loaded, then each piece of text as it is sampled;
@@ -277,7 +284,7 @@ def cmd_generate(args) -> int:
     timing: list[str] = []
     generate_from_checkpoint(
         args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-        stream=write_flushed, use_cache=not args.no_cache, report=timing.append,
+        stream=write_flushed, use_cache=not args.no_cache, report=timing.append, device=args.device,
     )
     print(flush=True)
     for line in timing:

@@ -33,10 +33,15 @@ from growtrain.model.config import ModelConfig
 from growtrain.tokenizer import checkpoint_tokenizer
 
 
+def _ids(tokens: list[int], model: GrowLM) -> torch.Tensor:
+    """[1, T] token ids on the model's device."""
+    return torch.tensor([tokens], device=next(model.parameters()).device)
+
+
 def next_token(logits_V: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
     """Greedy for temperature <= 0; otherwise a draw from softmax(logits / temperature) over the
     top_k most likely tokens (all of them for top_k <= 0)."""
-    logits_V = logits_V.float()
+    logits_V = logits_V.float().cpu()  # the draw on the host: one copy per token, the same text on any device
     if temperature <= 0:
         return int(logits_V.argmax())
     logits_V = logits_V / temperature
@@ -60,7 +65,7 @@ def sample_without_cache(
     """The reference: every token recomputes the whole context (its last `max_context` tokens)."""
     out = list(ids)
     for _ in range(max_new_tokens):
-        logits_V = model(torch.tensor([out[-max_context:]])).logits[0, -1]
+        logits_V = model(_ids(out[-max_context:], model)).logits[0, -1]
         out.append(next_token(logits_V, temperature, top_k, generator))
         if on_token is not None:
             on_token(out[-1])
@@ -106,7 +111,7 @@ def sample(
         return out
     with one_cpu_thread(model):
         cache = model.new_cache(max_context)
-        logits_V = model.forward_cached(torch.tensor([out[-max_context:]]), cache).logits[0, -1]
+        logits_V = model.forward_cached(_ids(out[-max_context:], model), cache).logits[0, -1]
         for i in range(max_new_tokens):
             token = next_token(logits_V, temperature, top_k, generator)
             out.append(token)
@@ -115,10 +120,10 @@ def sample(
             if i == max_new_tokens - 1:
                 break
             if cache.length < max_context:
-                logits_V = model.forward_cached(torch.tensor([[token]]), cache).logits[0, -1]
+                logits_V = model.forward_cached(_ids([token], model), cache).logits[0, -1]
             else:  # the window is full: rebuild it from the last `keep` tokens
                 cache = model.new_cache(max_context)
-                logits_V = model.forward_cached(torch.tensor([out[-keep:]]), cache).logits[0, -1]
+                logits_V = model.forward_cached(_ids(out[-keep:], model), cache).logits[0, -1]
     return out
 
 
@@ -197,13 +202,13 @@ def with_dequantized_bases(model: GrowLM) -> GrowLM:
     return model
 
 
-def load_model(loaded) -> GrowLM:
+def load_model(loaded, device: torch.device | str = "cpu") -> GrowLM:
     """The checkpoint's model, built on the meta device and loaded with assign (no random init to
     throw away: the NF4 experts' init quantizes random weights, ~1500 bitsandbytes calls for the
     tiny recipe's final model); strict, so a missing or renamed key fails here."""
     with torch.device("meta"):
         model = GrowLM(ModelConfig.from_dict(loaded.meta["model_config"]))
-    model.load_state_dict(loaded.model_state, strict=True, assign=True)
+    model.load_state_dict({k: v.to(device) for k, v in loaded.model_state.items()}, strict=True, assign=True)
     # The run's train.expert_backend, resolved for where the weights now are (auto: the reference on
     # the CPU); checkpoints from before the setting existed mean auto.
     model.set_expert_backend((loaded.meta.get("recipe") or {}).get("train", {}).get("expert_backend", "auto"))
@@ -220,6 +225,7 @@ def generate_from_checkpoint(
     stream: Callable[[str], None] | None = None,
     use_cache: bool = True,
     report: Callable[[str], None] | None = None,
+    device: str = "auto",
 ) -> str:
     """Prompt plus continuation. `stream` receives the prompt once the model has loaded, then the
     continuation piece by piece as it is sampled; `use_cache=False` samples with the reference `sample_without_cache`; `report` gets one
@@ -227,7 +233,8 @@ def generate_from_checkpoint(
     t0 = time.perf_counter()
     loaded = resolve(path)
     meta = loaded.meta
-    model = with_dequantized_bases(load_model(loaded))
+    where = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    model = with_dequantized_bases(load_model(loaded, where))
     tokenizer = checkpoint_tokenizer(loaded.path, meta)
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
     max_context = max(s["seq_len"] for s in meta["recipe"]["stages"])

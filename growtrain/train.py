@@ -286,9 +286,12 @@ class Run:
             )
         pos = Position(meta["stage"], meta["stage_step"], meta["step"], meta["tokens"], loaded.trainer_state["bad_steps"], True)
         # The checkpoint loader already cut the experts (and their optimizer state) to this rank.
-        with torch.device(self.device):
-            self.model = self.dist.shard(GrowLM(shapes[pos.stage]))
-        self.model.load_state_dict(loaded.model_state, strict=True)  # copies onto the model's device
+        # Built on meta and given the checkpoint's tensors (assign): no random init to throw away
+        # (at scale, initialising and quantizing the experts takes longer than reading them).
+        with torch.device("meta"):
+            model = self.dist.shard(GrowLM(shapes[pos.stage]))
+        model.load_state_dict(to_device(loaded.model_state, self.device), strict=True, assign=True)
+        self.model = model
         self.optimizer = build_optimizer(self.dist.owned(dict(self.model.named_parameters())), self.recipe.optimizer)
         owned = {n: v for n, v in loaded.trainer_state["optimizer"].items() if n in self.optimizer.params}
         self.optimizer.load_state_dict(to_device(owned, self.device))  # a checkpoint from another device resumes here
