@@ -168,6 +168,31 @@ class InvarianceConfig:
     )
     min_cosine: float = field(default=0.995, metadata={"doc": "Approximate operators: min cosine of probe logits.", "ge": -1.0, "le": 1.0})
     max_router_kl: float = field(default=0.02, metadata={"doc": "Approximate operators: max per-layer router KL.", "ge": 0.0})
+    dynamics: bool = field(
+        default=True,
+        metadata={
+            "doc": "After each operator and for the whole transition, take one optimizer step (the run's optimizer, clip and "
+            "the new stage's first LR) from the old and from the new model and state on the probe batch, and compare the "
+            "change of the logits; also check that every new trainable element can get a gradient. Costs 3 to 4 forward+backward and 2 forward passes of the probe batch "
+            "per operator (README: Growth checks); false turns both off (with a warning)."
+        },
+    )
+    dynamics_exact_tol: float = field(
+        default=1e-4,
+        metadata={
+            "doc": "Exact operators: max relative L2 difference of the one-step logit changes (on the exact subset), plus 10x "
+            "the fp32 rounding of the logits relative to the step (a small first LR is resolved no finer).",
+            "gt": 0.0,
+        },
+    )
+    dynamics_max_rel: float = field(
+        default=1.0,
+        metadata={
+            "doc": "Approximate operators: max relative L2 difference of the one-step logit changes (1: the grown model's "
+            "step may be no further from the ungrown model's step than that step is from not stepping).",
+            "gt": 0.0,
+        },
+    )
     probe_batch_size: int = field(default=4, metadata={"doc": "Sequences in the held-out probe batch.", "ge": 1})
     probe_seq_len: int = field(default=64, metadata={"doc": "Tokens per probe sequence.", "ge": 2})
 

@@ -527,6 +527,8 @@ class Run:
     def _grow(self, pos: Position, stage: StageConfig, planned: ModelConfig, probe) -> None:
         if not stage.grow:
             return
+        if not self.recipe.invariance.dynamics:
+            self.console.write("warning: invariance.dynamics is false: no one-step dynamics or trainability check of this growth")
         # Under expert parallelism every rank grows the gathered model identically, then re-shards.
         model, state = self.dist.gather_full(self.model, self.optimizer.state)
         try:
@@ -540,6 +542,8 @@ class Run:
                 planned=planned,
                 probe=probe,
                 invariance_cfg=self.recipe.invariance,
+                optimizer_cfg=self.recipe.optimizer,
+                lr=stage.lr(0, self.recipe.optimizer.lr),
             )
         except GrowthCheckFailed as exc:
             # Nothing of the failed growth is checkpointed; its report is kept for the post-mortem.
@@ -560,6 +564,7 @@ class Run:
                 f"params {r['params_before']:,} -> {r['params_after']:,}, max|Δlogit| {m['max_abs_dlogits']:.2e}, "
                 f"rel L2 {m['rel_l2']:.2e}, cosine {m['cosine']:.6f}, Δloss {m['loss_after'] - m['loss_before']:+.2e}"
                 + (f", router KL ≤ {m['max_router_kl']:.1e}" if "max_router_kl" in m else "")
+                + (f", one-step Δ rel {m['dynamics']['rel_l2']:.1e} ({m['dynamics']['seconds'] + m.get('trainability', {}).get('seconds', 0.0):.2f}s)" if "dynamics" in m else "")
                 + " — passed"
             )
         self.tracker.log_transition(stage.name, outcome.records, pos.global_step)

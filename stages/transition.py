@@ -10,7 +10,8 @@ import torch
 
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
-from growtrain.optim import ParamState, decays
+from growtrain.optim import OptimizerConfig, ParamState, decays
+from growtrain.stages.dynamics import Side, approximate_step, carry_masks, dynamics_check, fresh_masks, held_patterns, source_names, trainability_check, with_patterns
 from growtrain.stages.invariance import (
     block_drift,
     block_pairs,
@@ -144,12 +145,18 @@ class GrowthOutcome:
     records: list[dict]
 
 
-def apply_growth(model, optimizer_state, steps, *, seed, stage_index, stage_name, planned: ModelConfig, probe, invariance_cfg) -> GrowthOutcome:
+def apply_growth(
+    model, optimizer_state, steps, *, seed, stage_index, stage_name, planned: ModelConfig, probe, invariance_cfg, optimizer_cfg=None, lr: float | None = None
+) -> GrowthOutcome:
     """Apply `steps` in order; each is checked, and so is the whole transition (first model vs last,
-    where several operators' approximations could add up); the first failure raises GrowthCheckFailed."""
+    where several operators' approximations could add up); the first failure raises GrowthCheckFailed.
+
+    optimizer_cfg / lr: the run's optimizer and the LR of the new stage's first step, for the
+    dynamics check (stages/dynamics.py; defaults: OptimizerConfig() and its lr)."""
     inputs_BT, targets_BT = probe
     records = []
-    start_model = model
+    start_model, start_state = model, optimizer_state
+    dyn = _Dynamics.of(invariance_cfg, optimizer_cfg, lr, model)
     chain = _Chain.identity(model)
     after = start = run_probe(model, inputs_BT)
     for j, step in enumerate(steps):
@@ -179,6 +186,8 @@ def apply_growth(model, optimizer_state, steps, *, seed, stage_index, stage_name
                 structure.append(f"optimizer state could not be mapped: {type(exc).__name__}: {exc}")
             else:
                 structure += optimizer_problems(new_model, new_state)
+        if dyn.on and not structure:
+            problems += dyn.check_operator(step.op, step.args, exact, model, optimizer_state, new_model, new_state, growth.provenance, probe, invariance_cfg, metrics)
         record = _record(stage_name, stage_index, j, op.name, step.to_plain(), exact, metrics, model, new_model, planned_params, structure + problems)
         record["provenance"] = _provenance_summary(growth.provenance)
         records.append(record)
@@ -195,11 +204,80 @@ def apply_growth(model, optimizer_state, steps, *, seed, stage_index, stage_name
         with torch.device("meta"):
             planned_params = GrowLM(planned).num_parameters()
         args = {"ops": [s.op for s in steps]}
+        if dyn.on:
+            problems += dyn.check_transition([s.op for s in steps], exact, start_model, start_state, model, optimizer_state, probe, invariance_cfg, metrics)
         record = _record(stage_name, stage_index, len(steps), "transition", args, exact, metrics, start_model, model, planned_params, problems)
         records.append(record)
         if problems:
             raise GrowthCheckFailed(record)
     return GrowthOutcome(model, optimizer_state, records)
+
+
+@dataclass
+class _Dynamics:
+    """The dynamics and trainability checks of one transition (stages/dynamics.py), and what they
+    carry from operator to operator: the fresh elements of the current model and, per current
+    parameter, the start model's parameter it descends from."""
+
+    on: bool
+    optimizer_cfg: object
+    lr: float
+    fresh: dict
+    origin: dict
+    start_held: set
+    approximate: list
+
+    @classmethod
+    def of(cls, invariance_cfg, optimizer_cfg, lr, model) -> "_Dynamics":
+        opt_cfg = optimizer_cfg if optimizer_cfg is not None else OptimizerConfig()
+        # A warmup that starts at LR 0 would make the comparison vacuous: the base LR then.
+        lr = lr if lr else opt_cfg.lr
+        on = bool(getattr(invariance_cfg, "dynamics", True))
+        return cls(on, opt_cfg, lr, {}, {n: n for n, _ in model.named_parameters()}, set(), [])
+
+    def check_operator(self, op_name, args, exact, model, state, new_model, new_state, provenance, probe, cfg, metrics) -> list[str]:
+        patterns, why = held_patterns([op_name])
+        reason = approximate_step(op_name, args)
+        if reason is not None:
+            exact, why = False, why + [f"{op_name}: {reason}"]
+            self.approximate.append(reason)
+        fresh = fresh_masks(new_model, provenance)
+        held_new = with_patterns(new_model, dict(fresh), patterns)
+        # Old side: what the wholly held grown parameters came from (a reset's source, whose values
+        # now sit in frozen buffers; a declared hold's source), and what growth froze (add_dense_lora's bases).
+        frozen = [n for n, p in new_model.named_parameters() if not p.requires_grad]
+        whole = [n for n, p in provenance.items() if p.kind == "reset"] + [n for n, m in held_new.items() if m is None] + frozen
+        held_old = {n: None for n in source_names(whole, provenance)}
+        subset = _subset_words(fresh, held_old, why)
+        dyn, problems = dynamics_check(Side(model, state, held_old), Side(new_model, new_state, held_new), self.optimizer_cfg, self.lr, probe, exact, cfg, subset, provenance)
+        trainability, dead = trainability_check(new_model, new_state, fresh, self.optimizer_cfg, self.lr, probe)
+        metrics.update(dynamics=dyn, trainability=trainability)
+        # Carried along for the whole transition's check.
+        self.start_held |= {self.origin[n] for n in held_old if self.origin.get(n)}
+        carried = carry_masks(self.fresh, new_model, provenance)
+        self.fresh = {n: carried[n] | fresh[n] if n in carried and n in fresh else carried.get(n, fresh.get(n)) for n in set(carried) | set(fresh)}
+        self.origin = {n: self.origin.get(p.source) if p.kind != "new" else None for n, p in provenance.items()}
+        return problems + dead
+
+    def check_transition(self, op_names, exact, start_model, start_state, model, state, probe, cfg, metrics) -> list[str]:
+        patterns, why = held_patterns(op_names)
+        if self.approximate:
+            exact, why = False, why + self.approximate
+        held_new = with_patterns(model, dict(self.fresh), patterns)
+        whole = {self.origin[n] for n, m in held_new.items() if m is None and self.origin.get(n)}
+        held_old = {n: None for n in self.start_held | whole}
+        dyn, problems = dynamics_check(Side(start_model, start_state, held_old), Side(model, state, held_new), self.optimizer_cfg, self.lr, probe, exact, cfg, _subset_words(self.fresh, held_old, why))
+        metrics["dynamics"] = dyn
+        return problems
+
+
+def _subset_words(fresh: dict, held_old: dict, why: list[str]) -> list[str]:
+    words = []
+    if fresh:
+        words.append(f"{len(fresh)} parameter(s) with elements new to growth held on the grown side (they step where the old model had nothing)")
+    if held_old:
+        words.append(f"{len(held_old)} parameter(s) held on the old side (folded into frozen buffers, or declared)")
+    return words + why
 
 
 def _function_report(before, after, targets_BT, blocks, view, routers, exact, cfg) -> tuple[dict, list[str]]:

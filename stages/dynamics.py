@@ -1,0 +1,385 @@
+"""The growth checks that look past the logits (DESIGN.md §7, §15): a wrong optimizer-state mapping
+(moments not divided by S / S², step counts reset, LR multipliers dropped, renamed parameters
+starting fresh) leaves the logits at growth time unchanged and only shows in the next steps; a new
+element that can never train (zero rows next to zero columns, LoRA with both factors zero) shows in
+no logit at all.
+
+- Dynamics: one optimizer step, with the run's optimizer class, config (clipping included) and the
+  new stage's first LR, taken from (old model, old state) and from (new model, new state), each on
+  its own copy of the state and with the weights restored afterwards; the two changes of the probe
+  logits are compared. Where an operator's step is exact only on a subset, the rest is held out on
+  both sides (its gradient dropped before the clip norm, its values restored after the step):
+  elements growth introduced fresh (new, reset, or marked fresh in a copy: they step where the old
+  model had nothing), the sources of reset parameters (their values now sit in frozen buffers), and
+  the operator's declared holds (HELD: split siblings' router rows get unequal shares of their
+  parent's gradient). The loss is the cross-entropy alone: the router z-loss changes by log m
+  under a split by design, and the balance-bias update is not optimizer state.
+- Trainability: every trainable element growth introduced has a non-zero gradient on the probe,
+  or gets one within TRAINABILITY_STEPS steps of the others (a zero-initialised factor next to a
+  non-zero one: the pair's product has a gradient; the loss is the training loss, aux included). Experts no probe token reached are not judged (counted).
+
+Cost on the probe batch, per operator: the old model 1 forward+backward and 1 forward; the new one
+1 forward+backward and 1 forward (dynamics), and 1 forward+backward for trainability, plus
+TRAINABILITY_STEPS more when some new element has no gradient at first (zero-initialised factors); plus a copy
+of the weights and of the optimizer state of each. The transition's check adds one old and one new
+step.
+
+Legend: B batch, T sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from growtrain.optim_registry import build_optimizer
+
+# Operator -> patterns (re.search) of the grown parameters held out of the one-step comparison
+# (with their sources on the old side), and why.
+HELD: dict[str, tuple[tuple[str, ...], str]] = {
+    # NF4 experts: the LoRA factor a split copies to both children rather than slicing (down's B,
+    # gate's and up's A) is shared by the two halves of the parent's neurons in the same way.
+    "split_experts": (
+        (r"\.router\.weight$", r"\.experts\.w_down_lora_B$", r"\.experts\.w_(gate|up)_lora_A$"),
+        "router rows (and the LoRA factors copied whole: down's B, gate's and up's A) of split siblings receive unequal "
+        "shares of their parent's gradient",
+    ),
+    "clone_experts": ((r"\.router\.weight$",), "router rows of clones receive unequal shares of their parent's gradient"),
+    # The rest is exact: the experts are equal, so the renormalized gates (summing to 1) pass the
+    # dense FFN's gradient to the streams unchanged.
+    "upcycle_moe": (
+        (r"\.router\.weight$", r"\.g\.ffn\.experts\."),
+        "experts held (each copy receives its gate's share of the dense gradient, not 1/E of it: exact only for uniform gates)",
+    ),
+}
+
+# Exact operators whose one step is not exact on any useful subset (always, or with some
+# arguments), and why: judged by the approximate bar (dynamics_max_rel).
+APPROXIMATE_STEP: dict[str, object] = {
+    "widen_hidden": lambda args: "the null-space noise makes the copies' gradients differ" if getattr(args, "noise", 0.0) else None,
+    "widen_ffn": lambda args: "the noise makes the duplicated neurons' gradients differ" if getattr(args, "noise", 0.0) else None,
+}
+
+
+def approximate_step(op_name: str, args) -> str | None:
+    """Why one step after this (exact) operator is not exact, or None."""
+    rule = APPROXIMATE_STEP.get(op_name)
+    return rule(args) if rule is not None else None
+
+RESOLUTION_MULT = 10.0
+
+# Exact operators give the same clip norm up to fp32 summation order (0 to ~1e-7 measured on the
+# micro recipe); a dropped clip-norm weight on the expert tensors of a split moved it by 1.4e-4.
+CLIP_NORM_RTOL = 1e-5
+
+_EXPERT = re.compile(r"^blocks\.(\d+)\.g\.ffn\.experts\.")
+
+
+@dataclass
+class Side:
+    """One side of the comparison: a model, its optimizer state, and the elements held out
+    (name -> bool mask shaped like the parameter; None: the whole tensor)."""
+
+    model: object
+    state: dict
+    held: dict[str, torch.Tensor | None]
+
+
+def fresh_masks(model, provenance) -> dict[str, torch.Tensor]:
+    """Trainable elements an operator introduced: whole 'new' / 'reset' parameters and the fresh
+    elements of copies (bool masks shaped like the parameters)."""
+    out = {}
+    for name, p in model.named_parameters():
+        prov = provenance.get(name)
+        if not p.requires_grad or prov is None:
+            continue
+        if prov.kind in ("new", "reset"):
+            out[name] = torch.ones(p.shape, dtype=torch.bool, device=p.device)
+        elif prov.kind == "copy" and prov.fresh is not None and bool(prov.fresh.any()):
+            out[name] = prov.fresh.to(p.device).bool()
+    return out
+
+
+def carry_masks(masks: dict[str, torch.Tensor], model, provenance) -> dict[str, torch.Tensor]:
+    """Masks over an old model carried onto the grown one through the provenance (a transition of
+    several operators: fresh elements of an earlier operator are still fresh after the later ones)."""
+    out = {}
+    for name, p in model.named_parameters():
+        prov = provenance.get(name)
+        if prov is None or prov.source not in masks:
+            continue
+        m = masks[prov.source]
+        if prov.kind == "carried":
+            out[name] = m
+        elif prov.kind == "copy":
+            out[name] = prov.transform(m.float()).to(p.device) > 0
+    return out
+
+
+def source_names(names, provenance) -> set[str]:
+    """The old parameters the given new ones were built from (none for 'new')."""
+    return {provenance[n].source for n in names if n in provenance and provenance[n].kind != "new" and provenance[n].source}
+
+
+def held_patterns(op_names) -> tuple[tuple[str, ...], list[str]]:
+    patterns, why = [], []
+    for op in op_names:
+        if op in HELD:
+            patterns += [s for s in HELD[op][0] if s not in patterns]
+            why += [w for w in [f"{op}: {HELD[op][1]}"] if w not in why]
+    return tuple(patterns), why
+
+
+def with_patterns(model, held: dict, patterns: tuple[str, ...]) -> dict:
+    """`held` plus every trainable parameter matching one of `patterns`, whole."""
+    held = dict(held)
+    for name, p in model.named_parameters():
+        if p.requires_grad and any(re.search(pat, name) for pat in patterns):
+            held[name] = None
+    return held
+
+
+# ---------------------------------------------------------------- one step
+
+
+def _loss(model, inputs_BT, targets_BT, with_aux: bool = False):
+    out = model(inputs_BT)
+    loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets_BT.flatten())
+    return out, (loss + out.aux_loss if with_aux else loss)
+
+
+def gradients(model, inputs_BT, targets_BT) -> tuple[dict, dict]:
+    """The training loss's gradients (cross-entropy + aux: a top-1 router trains only through the
+    balance loss) and the expert loads on the probe."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    was_training = model.training
+    model.train()
+    try:
+        model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            out, loss = _loss(model, inputs_BT, targets_BT, with_aux=True)
+            loss.backward()
+        return {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}, _expert_loads(model, out)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+
+
+def _expert_loads(model, out) -> dict[int, torch.Tensor]:
+    moe_blocks = [i for i, b in enumerate(model.blocks) if b.is_moe]
+    return {b: s.load.detach() for b, s in zip(moe_blocks, out.moe_stats)}
+
+
+def _optimizer(named, state, opt_cfg):
+    opt = build_optimizer(named, opt_cfg)
+    opt.rebind(named, copy.deepcopy(state))
+    return opt
+
+
+def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
+    """One clipped optimizer step of `side` on the probe, on copies: returns the change of the probe
+    logits, each parameter's update and the clip norm; the model's weights are restored and its
+    gradients cleared."""
+    model = side.model
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    saved = {n: p.detach().clone() for n, p in named.items()}
+    was_training = model.training
+    model.train()
+    try:
+        with torch.enable_grad():
+            model.zero_grad(set_to_none=True)
+            out, loss = _loss(model, inputs_BT, targets_BT)
+            before_BTV = out.logits.detach().double()
+            loss.backward()
+        for name, mask in side.held.items():
+            p = named.get(name)
+            if p is None or p.grad is None:
+                continue
+            if mask is None:
+                p.grad = None
+            else:
+                p.grad.masked_fill_(mask, 0.0)
+        opt = _optimizer(named, side.state, opt_cfg)
+        norm = opt.clip_grad_norm(opt_cfg.grad_clip)
+        opt.step(lr)
+        with torch.no_grad():
+            for name, mask in side.held.items():
+                if name in named:
+                    p = named[name]
+                    p.copy_(saved[name] if mask is None else torch.where(mask, saved[name], p))
+            updates = {n: (p.detach() - saved[n]) for n, p in named.items()}
+            after_BTV = model(inputs_BT).logits.double()
+        return {"delta_BTV": after_BTV - before_BTV, "updates": updates, "norm": norm, "logits_norm": before_BTV.norm().item()}
+    finally:
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(saved[n])
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+
+
+# A zero factor can sit behind several others (deepen's NF4 block: down's B, then gate's B, then
+# gate's A receive gradient one step after another), so the trainability pass steps up to this often.
+TRAINABILITY_STEPS = 3
+
+
+def later_gradients(model, state, grads: dict, opt_cfg, lr: float, inputs_BT, targets_BT, steps: int) -> list[tuple[dict, dict]]:
+    """The gradients and expert loads after each of `steps` unheld steps, the first taken with
+    `grads` (the weights restored after)."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    saved = {n: p.detach().clone() for n, p in named.items()}
+    was_training = model.training
+    model.train()
+    out = []
+    try:
+        opt = _optimizer(named, state, opt_cfg)
+        for _ in range(steps):
+            for n, p in named.items():
+                p.grad = grads[n].clone() if n in grads else None
+            opt.clip_grad_norm(opt_cfg.grad_clip)
+            opt.step(lr)
+            grads, loads = gradients(model, inputs_BT, targets_BT)
+            out.append((grads, loads))
+        return out
+    finally:
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(saved[n])
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((b - a).norm() / a.norm().clamp_min(1e-30)).item()
+
+
+def parameter_mismatch(old_updates: dict, new_updates: dict, provenance, held: dict) -> tuple[str, float] | None:
+    """The grown parameter whose update differs most from its source's update mapped by the
+    provenance (a β-scaled copy moves β times its source's move), over the elements not held."""
+    worst = None
+    for name, du in new_updates.items():
+        prov = provenance.get(name)
+        if prov is None or prov.kind not in ("carried", "copy") or prov.source not in old_updates or held.get(name, 0) is None:
+            continue
+        ref = old_updates[prov.source]
+        if prov.kind == "copy":
+            beta = prov.beta.to(ref.device) if isinstance(prov.beta, torch.Tensor) else prov.beta
+            ref = prov.transform(ref) * beta
+        keep = ~held[name] if name in held else torch.ones(du.shape, dtype=torch.bool, device=du.device)
+        if not bool(keep.any()) or ref.shape != du.shape:
+            continue
+        r = ((du - ref)[keep].double().norm() / ref[keep].double().norm().clamp_min(1e-30)).item()
+        if worst is None or r > worst[1]:
+            worst = (name, r)
+    return worst
+
+
+def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool, cfg, subset: list[str], provenance=None) -> tuple[dict, list[str]]:
+    """Compare one step from `old` and from `new`: (metrics, problems)."""
+    inputs_BT, targets_BT = probe
+    t0 = time.perf_counter()
+    a = one_step(old, opt_cfg, lr, inputs_BT, targets_BT)
+    b = one_step(new, opt_cfg, lr, inputs_BT, targets_BT)
+    rel = _rel(a["delta_BTV"], b["delta_BTV"])
+    metrics = {
+        "rel_l2": rel,
+        "max_abs_diff": (b["delta_BTV"] - a["delta_BTV"]).abs().max().item(),
+        "step_norm": a["delta_BTV"].norm().item(),  # the size of the ungrown model's step on the probe logits
+        # fp32 rounding of the logits relative to that step: the finest difference the comparison resolves.
+        "resolution": torch.finfo(torch.float32).eps * a["logits_norm"] / max(a["delta_BTV"].norm().item(), 1e-30),
+        "lr": lr,
+        "clip_norm_before": a["norm"],
+        "clip_norm_after": b["norm"],
+        "held": sorted(n for n in new.held),
+        "subset": subset,
+        "exact": exact,
+        "bar": cfg.dynamics_exact_tol if exact else cfg.dynamics_max_rel,
+    }
+    worst = parameter_mismatch(a["updates"], b["updates"], provenance, new.held) if provenance is not None else None
+    if worst is not None:
+        metrics["worst_parameter"], metrics["worst_parameter_rel"] = worst
+    problems = []
+    if exact:
+        # The difference of two fp32 forwards cannot resolve less than their rounding; at a warmup's
+        # small first LR that floor nears the bar (the tiny recipe's upcycle: 8.9e-5 at LR 1e-4 with
+        # a resolution of 8.2e-5, against ~2e-7 at the micro recipe's 3e-3). Measured unbroken
+        # operators sit at 1-2x the resolution (tiny and micro recipes): RESOLUTION_MULT leaves room.
+        metrics["bar"] = cfg.dynamics_exact_tol + RESOLUTION_MULT * metrics["resolution"]
+    limit = metrics["bar"]
+    norm_rel = abs(b["norm"] - a["norm"]) / max(abs(a["norm"]), 1e-30)
+    metrics["clip_norm_rel"] = norm_rel
+    if exact and opt_cfg.grad_clip > 0 and not (norm_rel <= CLIP_NORM_RTOL):
+        # A mapped state weighs each copy's squared gradient by S·β (optim.py): the grown model's
+        # clip norm is the ungrown one's, or clipping scales the two steps differently.
+        problems.append(
+            f"dynamics: the clip norm of the grown model's gradient is {b['norm']:.6g}, the ungrown model's {a['norm']:.6g} "
+            f"(relative {norm_rel:.3g} > {CLIP_NORM_RTOL:g} for an exact operator): the clip-norm weights (norm_mult) are wrong"
+        )
+    if not (rel <= limit):
+        where = ""
+        if worst is not None:
+            block = re.match(r"^blocks\.(\d+)\.", worst[0])
+            where = f"; parameter {worst[0]}" + (f" (block {block.group(1)})" if block else "") + f" moved {worst[1]:.3g} (relative) off its source's mapped update"
+        what = "exact operator (dynamics_exact_tol)" if exact else "approximate operator (dynamics_max_rel)"
+        problems.append(
+            f"dynamics: one optimizer step (lr {lr:.3g}, clip norm {a['norm']:.4g} before vs {b['norm']:.4g} after growth) moved the "
+            f"probe logits by relative L2 {rel:.3g} off the ungrown model's step, > {limit:g} for an {what}{where}"
+        )
+    metrics["seconds"] = time.perf_counter() - t0
+    return metrics, problems
+
+
+def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr: float, probe) -> tuple[dict, list[str]]:
+    """Dead new elements per parameter: zero gradient on the probe before and after one step."""
+    inputs_BT, targets_BT = probe
+    t0 = time.perf_counter()
+    if not masks:
+        return {"per_parameter": {}, "dead": 0, "unreached_experts": {}, "seconds": 0.0}, []
+    grads1, loads1 = gradients(model, inputs_BT, targets_BT)
+    report, problems, unreached = {}, [], {}
+    alive = {n: grads1[n] != 0 if n in grads1 else torch.zeros_like(m) for n, m in masks.items()}
+    idle = {b: load == 0 for b, load in loads1.items()}
+    stepped = 0
+    if not all(bool(alive[n][m].all()) for n, m in masks.items()):
+        for grads, loads in later_gradients(model, state, grads1, opt_cfg, lr, inputs_BT, targets_BT, TRAINABILITY_STEPS):
+            for n in masks:
+                if n in grads:
+                    alive[n] = alive[n] | (grads[n] != 0)
+            idle = {b: idle[b] | (loads[b] == 0) for b in idle}
+        stepped = TRAINABILITY_STEPS
+    for name, mask in masks.items():
+        mask = mask.clone()
+        m = _EXPERT.match(name)
+        if m is not None and int(m.group(1)) in idle:
+            # An expert some pass sent no probe token to cannot be judged (its partner may have had
+            # no gradient to step with): counted, not failed.
+            idle_E = idle[int(m.group(1))]
+            if bool(idle_E.any()):
+                unreached[name] = int(idle_E.sum())
+                mask[idle_E.to(mask.device)] = False
+        if not bool(mask.any()):
+            continue
+        alive_n = alive[name]
+        dead = mask & ~alive_n
+        n_dead = int(dead.sum())
+        rows = dead.flatten(0, 1) if dead.ndim >= 3 else dead
+        dead_rows = int((rows.reshape(rows.shape[0], -1).any(1) if rows.ndim > 1 else rows).sum())
+        report[name] = {"new": int(mask.sum()), "dead": n_dead, "dead_rows": dead_rows}
+        if n_dead:
+            block = re.match(r"^blocks\.(\d+)\.", name)
+            problems.append(
+                f"trainability: {n_dead} of {int(mask.sum())} new element(s) of {name}"
+                + (f" (block {block.group(1)})" if block else "")
+                + f" ({dead_rows} row(s)) get no gradient on the probe, neither now nor after {stepped} step(s) of the others: they cannot train"
+            )
+    metrics = {"per_parameter": report, "dead": sum(r["dead"] for r in report.values()), "unreached_experts": unreached, "steps": stepped}
+    metrics["seconds"] = time.perf_counter() - t0
+    return metrics, problems
