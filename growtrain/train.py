@@ -117,6 +117,12 @@ def resolve_device(setting: str, dist: Dist) -> torch.device:
     return torch.device("cpu")
 
 
+def _owning(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when it views a larger storage (an expert shard cut from a memory-mapped
+    checkpoint file): a parameter assigned from it would otherwise keep the whole storage alive."""
+    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+
+
 def gpu_peak_tflops(device: torch.device) -> float | None:
     """Dense bf16 peak of a GPU the planner has a preset for (by name), else None."""
     if device.type != "cuda":
@@ -290,7 +296,7 @@ class Run:
         # (at scale, initialising and quantizing the experts takes longer than reading them).
         with torch.device("meta"):
             model = self.dist.shard(GrowLM(shapes[pos.stage]))
-        model.load_state_dict(to_device(loaded.model_state, self.device), strict=True, assign=True)
+        model.load_state_dict({n: _owning(t.to(self.device)) for n, t in loaded.model_state.items()}, strict=True, assign=True)
         self.model = model
         self.optimizer = build_optimizer(self.dist.owned(dict(self.model.named_parameters())), self.recipe.optimizer)
         owned = {n: v for n, v in loaded.trainer_state["optimizer"].items() if n in self.optimizer.params}

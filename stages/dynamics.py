@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -181,16 +182,30 @@ def _optimizer(named, state, opt_cfg):
     return opt
 
 
-def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
-    """One clipped optimizer step of `side` on the probe, on copies: returns the change of the probe
-    logits, each parameter's update and the clip norm; the model's weights are restored and its
-    gradients cleared."""
-    model = side.model
+@contextmanager
+def _scratch_steps(model):
+    """The trainable parameters, by name, and their saved values: steps taken inside move them, and
+    on the way out the weights are restored, the gradients cleared and the train/eval mode reset."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     saved = {n: p.detach().clone() for n, p in named.items()}
     was_training = model.training
     model.train()
     try:
+        yield named, saved
+    finally:
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(saved[n])
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+
+
+def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
+    """One clipped optimizer step of `side` on the probe, on copies: returns the change of the probe
+    logits, each parameter's update and the clip norm; the model's weights are restored and its
+    gradients cleared."""
+    model = side.model
+    with _scratch_steps(model) as (named, saved):
         with torch.enable_grad():
             model.zero_grad(set_to_none=True)
             out, loss = _loss(model, inputs_BT, targets_BT)
@@ -215,12 +230,6 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
             updates = {n: (p.detach() - saved[n]) for n, p in named.items()}
             after_BTV = model(inputs_BT).logits.double()
         return {"delta_BTV": after_BTV - before_BTV, "updates": updates, "norm": norm, "logits_norm": before_BTV.norm().item()}
-    finally:
-        with torch.no_grad():
-            for n, p in named.items():
-                p.copy_(saved[n])
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
 
 
 # A zero factor can sit behind several others (deepen's NF4 block: down's B, then gate's B, then
@@ -231,12 +240,8 @@ TRAINABILITY_STEPS = 3
 def later_gradients(model, state, grads: dict, opt_cfg, lr: float, inputs_BT, targets_BT, steps: int) -> list[tuple[dict, dict]]:
     """The gradients and expert loads after each of `steps` unheld steps, the first taken with
     `grads` (the weights restored after)."""
-    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    saved = {n: p.detach().clone() for n, p in named.items()}
-    was_training = model.training
-    model.train()
     out = []
-    try:
+    with _scratch_steps(model) as (named, _):
         opt = _optimizer(named, state, opt_cfg)
         for _ in range(steps):
             for n, p in named.items():
@@ -246,12 +251,6 @@ def later_gradients(model, state, grads: dict, opt_cfg, lr: float, inputs_BT, ta
             grads, loads = gradients(model, inputs_BT, targets_BT)
             out.append((grads, loads))
         return out
-    finally:
-        with torch.no_grad():
-            for n, p in named.items():
-                p.copy_(saved[n])
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
 
 
 # ---------------------------------------------------------------- the checks
