@@ -5,9 +5,10 @@ Imports nothing from growtrain (DESIGN.md §2). The folder sits at the repositor
 package that bitsandbytes and transformers probe for. Imported under that name, this file hands the
 import over to the real package when one is installed. When none is, it leaves behind what a probe
 reads as "not installed": a module with no file, no version, no submodules (so the project's kernels
-are never executed as a second, top-level copy) and no attributes (`from kernels import x` is an
-ImportError, which is how bitsandbytes asks). transformers' probe (find_spec, then importing
-a package without metadata) concludes "absent" from exactly that; raising here instead made its
+are never executed as a second, top-level copy) and no attributes (`from kernels import x` raises
+the very ModuleNotFoundError it raises where no `kernels` exists: bitsandbytes asks that way, and
+logs the same line as anywhere else). transformers' probe (find_spec, then importing a package
+without metadata) concludes "absent" from exactly that; raising at import instead made its
 import, and so `import peft`, fail from the repository root.
 """
 
@@ -32,7 +33,9 @@ if __name__ == "kernels":
         del _name
 
         def __getattr__(name: str):
-            raise AttributeError(
-                f"the PyPI package 'kernels' is not installed (no attribute {name!r}); the repository's kernels/ "
-                "folder is growtrain.kernels"
-            )
+            # Dunders (`__version__`, asked with a default by transformers' probe) are plainly
+            # missing; anything else is what importing an absent package gives, so
+            # `from kernels import get_kernel` fails exactly as it does where no `kernels` exists.
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise ModuleNotFoundError("No module named 'kernels'", name="kernels")

@@ -61,15 +61,17 @@ def test_peft_transformers_and_bitsandbytes_import_from_the_repository_root():
     assert done.stdout.strip().endswith("ok")
 
 
-def test_the_kernels_stub_at_the_repository_root_has_no_submodules_and_says_what_it_is():
+def test_the_kernels_stub_at_the_repository_root_has_no_submodules_and_fails_as_an_absent_package():
     code = (
         "import kernels\n"
         "try:\n    import kernels.grouped\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('second copy')\n"
-        "try:\n    kernels.get_kernel\nexcept AttributeError as e:\n    print(e)\n"
+        "try:\n    from kernels import get_kernel\nexcept ModuleNotFoundError as e:\n    print(e)\n"
+        "print(getattr(kernels, '__version__', 'no version'))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "growtrain.kernels" in done.stdout and "not installed" in done.stdout
+    # Exactly what a Python without the PyPI package says.
+    assert done.stdout.splitlines() == ["No module named 'kernels'", "no version"], done.stdout
 
 
 # --- 1. packaged recipes by name -------------------------------------------------------------------
