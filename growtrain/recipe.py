@@ -8,6 +8,7 @@ and suggests the nearest valid key for a typo (STYLE.md item 2).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -291,9 +292,7 @@ def without_moved_keys(plain: dict) -> dict:
     """A copy of a recipe's plain form (a checkpoint's meta["recipe"]) without the keys that moved
     elsewhere since it was written: the expert backend, now train.expert_backend, used to be a
     model.moe field and an upcycle_moe argument. Lets resume, inspect and generate read old runs."""
-    import json
-
-    out = json.loads(json.dumps(plain))
+    out = copy.deepcopy(plain)
     if isinstance((out.get("model") or {}).get("moe"), dict):
         out["model"]["moe"].pop("expert_backend", None)
     for stage in out.get("stages") or []:

@@ -210,12 +210,17 @@ def _recipe_diff(a, b, path="") -> list[str]:
     return [] if a == b else [f"{path}: checkpoint {_short(a)} -> recipe {_short(b)}"]
 
 
+def _finite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One bool per tensor, on the device: no NaN or infinity in it (no host sync)."""
+    return torch.stack([t.isfinite().all() for t in tensors])
+
+
 def nonfinite_tensors(named) -> list[str]:
     """Names of the floating-point tensors holding a NaN or an infinity (one host sync for all)."""
     named = [(n, t) for n, t in named if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     if not named:
         return []
-    finite = torch.stack([t.isfinite().all() for _, t in named]).tolist()
+    finite = _finite_flags([t for _, t in named]).tolist()
     return [n for (n, _), ok in zip(named, finite) if not ok]
 
 
@@ -331,7 +336,7 @@ class Run:
         params = [p for p in self.model.parameters() if p.is_floating_point() and p.numel()]
         if not params:
             return torch.zeros((), dtype=torch.float64)
-        bad = torch.stack([p.isfinite().all() for p in params]).logical_not().sum().double()
+        bad = _finite_flags(params).logical_not().sum().double()
         return self.dist.sum_tensor(bad)
 
     def _raise_bad_update(self, step: int, stage: StageConfig) -> None:

@@ -4,7 +4,6 @@ sync on a GPU, the trainer's do not grow with depth, MoE layers or micro-batches
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
