@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from growtrain.durable import fsync_dir, fsync_file, write_synced
 from growtrain.expert_shards import assemble, is_expert_tensor, slice_state
 from growtrain.faults import maybe_fault
 
@@ -81,31 +82,7 @@ def step_dir_name(step: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Durability helpers
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    # A rename or a new file is only durable once the directory holding it is fsynced.
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+# Disk space
 
 
 def _disk_full(path: Path) -> bool:
@@ -423,15 +400,15 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             save_file(tensors, str(tmp / MODEL_FILE))
-            _fsync_file(tmp / MODEL_FILE)
+            fsync_file(tmp / MODEL_FILE)
             maybe_fault("checkpoint_mid")
             with open(tmp / TRAINER_FILE, "wb") as f:
                 torch.save(trainer_state, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _write_synced(tmp / META_FILE, meta_text.encode())
+            write_synced(tmp / META_FILE, meta_text.encode())
             for fname, text in extra_files.items():
-                _write_synced(tmp / fname, text.encode())
+                write_synced(tmp / fname, text.encode())
             shard_files = write_shards(tmp) if write_shards is not None else []
 
             files = {}
@@ -439,8 +416,8 @@ class CheckpointManager:
                 fpath = tmp / fname
                 files[fname] = {"bytes": fpath.stat().st_size, "sha256": _sha256(fpath)}
             manifest = {"format": MANIFEST_FORMAT, "step": step, "stage_end": bool(stage_end), "files": files}
-            _write_synced(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
-            _fsync_dir(tmp)
+            write_synced(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
+            fsync_dir(tmp)
 
             final = self.dir / name
             if final.exists():
@@ -449,11 +426,11 @@ class CheckpointManager:
                 old = self.dir / f".tmp-old-{name}-{os.getpid()}"
                 os.rename(final, old)
                 os.rename(tmp, final)
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, final)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         except BaseException as exc:
             # torch.save reports a full disk as "unexpected pos ..." (the errno is lost in C++):
             # ask the disk while the partial files still fill it, then say what happened.
@@ -469,9 +446,9 @@ class CheckpointManager:
 
     def _write_latest(self, name: str) -> None:
         tmp = self.dir / (LATEST_FILE + ".tmp")
-        _write_synced(tmp, (name + "\n").encode())
+        write_synced(tmp, (name + "\n").encode())
         os.replace(tmp, self.dir / LATEST_FILE)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def _sweep_leftovers(self) -> None:
         for p in sorted(self.dir.glob(".tmp-*")):

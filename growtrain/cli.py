@@ -20,6 +20,7 @@ examples:
   growtrain inspect runs/tiny --json                   stage, step, tokens, parameters, growth reports
   growtrain generate runs/tiny --prompt "The "         sample from the newest checkpoint
   growtrain export-adapters runs/tiny out/adapters     NF4 experts' LoRA (and peft adapters) in peft's layout
+  growtrain prepare-data corpus/ --out data/corpus     tokenize once into token shards; then data.source: data/corpus
 """
 
 
@@ -106,6 +107,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path, help="run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("out_dir", type=Path, help="directory to write the adapter files into")
     p.add_argument("--base", action="store_true", help="also write the base model (base_model.safetensors + base_model_config.json)")
+
+    p = sub.add_parser("prepare-data", help="tokenize a source once into memory-mapped token shards (then data.source: DIR)",
+                       description="Read SOURCE (anything data.source reads: builtin:pydoc_topics, builtin:python_stdlib, a "
+                       "local text/jsonl/parquet file or folder, a hub dataset) as a stream, split it train / held-out by a hash "
+                       "of each document, shuffle the train documents by --seed (within buffers of --buffer-mb), tokenize in "
+                       "worker processes and write fixed-size token shards (uint16 where the vocabulary fits, else uint32) with "
+                       "manifest.json last. Train on the folder with data.source: DIR (memory-mapped, each rank reads its own "
+                       "rows). An interrupted prepare leaves no manifest; running it again starts over cleanly.")
+    p.add_argument("source", help="what to read (as data.source; a relative path is relative to the working directory)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write (new or empty; see --overwrite)")
+    p.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
+                   help="'byte' (default) or a tokenizer.json (or its folder); recipes training on DIR must name the same one "
+                   "(a copy is written to DIR/tokenizer.json, so data.tokenizer: DIR works)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, metavar="F", help="share of documents held out (default 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed of the train documents (default 0; use the recipe's "
+                   "seed to get exactly the tokens that reading the source at start gives)")
+    p.add_argument("--format", choices=["auto", "text", "jsonl", "parquet"], default="auto", help="format of local files (default: by extension)")
+    p.add_argument("--text-field", default="text", help="column holding the text in jsonl, parquet and hub data (default text)")
+    p.add_argument("--split", default="train", help="split of a hub dataset (default train)")
+    p.add_argument("--max-bytes", type=int, default=0, help="stop after this many bytes of text (default 0: all)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 27, metavar="N", help="tokens per shard (default 134,217,728)")
+    p.add_argument("--dtype", choices=["auto", "uint16", "uint32"], default="auto",
+                   help="token id type of the shards (default auto: uint16 where the vocabulary fits)")
+    p.add_argument("--workers", type=int, default=0, metavar="N", help="tokenizer processes (default 0: one per CPU core)")
+    p.add_argument("--buffer-mb", type=float, default=256.0, metavar="MB",
+                   help="text split and shuffled together (default 256); a source that fits one buffer is shuffled whole")
+    p.add_argument("--overwrite", action="store_true", help="replace prepared data already in --out")
+
+    p = sub.add_parser("check-data", help="verify a prepared folder's shards against its manifest (sizes and sha256)",
+                       description="Read every shard of a folder written by prepare-data and compare its size and sha256 with "
+                       "manifest.json. Training checks only sizes at start (reading 100s of GB at every resume is too slow); "
+                       "run this after copying prepared data between machines. Exit 0 if all match, 2 otherwise.")
+    p.add_argument("path", type=Path, help="prepared data folder")
     return parser
 
 
@@ -320,6 +354,50 @@ def cmd_plan(args) -> int:
     return 0 if all(s["fits"] for s in result["stages"]) else 1
 
 
+def cmd_prepare_data(args) -> int:
+    from growtrain.data import resolve_source_path, resolve_tokenizer_path
+    from growtrain.prepare import PrepareOptions, prepare_data
+
+    cwd = Path.cwd()
+    opts = PrepareOptions(
+        source=resolve_source_path(args.source, cwd), out=args.out, tokenizer=resolve_tokenizer_path(args.tokenizer, cwd),
+        eval_fraction=args.eval_fraction, seed=args.seed, format=args.format, text_field=args.text_field, split=args.split,
+        max_bytes=args.max_bytes, shard_tokens=args.shard_tokens, dtype=args.dtype, workers=args.workers,
+        buffer_bytes=max(1, int(args.buffer_mb * 2**20)), overwrite=args.overwrite,
+    )
+    m = prepare_data(opts)
+    n_train, n_eval = sum(s.tokens for s in m.train), sum(s.tokens for s in m.eval)
+    print(
+        f"wrote {args.out}: {n_train:,} train tokens in {len(m.train)} shard(s), {n_eval:,} held-out tokens, "
+        f"{m.documents['train'] + m.documents['eval']:,} documents, {m.dtype}, tokenizer {m.tokenizer['name']}\n"
+        f"train on it with: --set data.source={args.out}"
+        + ("" if m.tokenizer["spec"] == "byte" else f" --set data.tokenizer={args.out}")
+    )
+    return 0
+
+
+def cmd_check_data(args) -> int:
+    from growtrain.shards import read_manifest, verify_shards
+
+    manifest = read_manifest(args.path)
+
+    def progress(done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\rcheck-data: {done / 1e6:,.0f} / {total / 1e6:,.0f} MB")
+
+    problems = verify_shards(args.path, manifest, progress)
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    if problems:
+        print(f"error: {len(problems)} shard(s) of {args.path} do not match its manifest:", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 2
+    n = len(manifest.train) + len(manifest.eval)
+    print(f"{args.path}: ok — {n} shard(s) match the manifest (fingerprint {manifest.fingerprint})")
+    return 0
+
+
 COMMANDS = {
     "run": cmd_run,
     "validate": cmd_validate,
@@ -329,6 +407,8 @@ COMMANDS = {
     "generate": cmd_generate,
     "export-adapters": cmd_export_adapters,
     "plan": cmd_plan,
+    "prepare-data": cmd_prepare_data,
+    "check-data": cmd_check_data,
 }
 
 

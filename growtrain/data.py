@@ -2,10 +2,14 @@
 
 Shape legend: B batch rows, T sequence length (stage's `seq_len`), N tokens in a stream.
 
-A corpus is read once into memory as documents, split into train/eval by a hash of each document's
-text (so the eval set depends on neither the seed nor the document order), tokenized, and packed
-into two flat token tensors. `TokenStream` walks the train tensor sequentially; its whole position
-is `{"cursor", "epoch"}`, so a checkpoint can store it and a resumed run sees the same batches.
+A corpus comes either from a folder `growtrain prepare-data` wrote (memory-mapped token shards,
+see shards.py: nothing is read whole) or, for small sources, from text read into memory at start.
+Both split train/eval by a hash of each document's text (so the eval set depends on neither the
+seed nor the document order; `assign_documents`, shared with prepare-data) and end as the same
+`Corpus` of two `TokenArray`s, so the training loop has one code path. `TokenStream` walks the
+train array sequentially; its position is a few integers (`cursor`, `epoch`, and the shuffle seed
+of a sharded stream's per-epoch shard order), so a checkpoint stores it and a resumed run sees the
+same batches. Each rank reads only its own rows of a batch.
 
 torch and datasets are imported inside the functions that need them, so that importing this module
 for `DataConfig` (recipe validation, `--help`) stays instant.
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal
 
 import numpy as np
 
+from growtrain.shards import TokenArray, check_tokenizer, is_prepared_dir, open_split, read_manifest
 from growtrain.tokenizer import DataError, Tokenizer, _first_line, build_tokenizer
 
 if TYPE_CHECKING:
@@ -32,9 +37,13 @@ __all__ = [
     "Corpus",
     "DataConfig",
     "DataError",
+    "TokenArray",
     "TokenStream",
+    "assign_documents",
     "eval_batches",
+    "capped",
     "load_corpus",
+    "read_documents",
 ]
 
 _FORMAT_BY_SUFFIX = {
@@ -56,9 +65,11 @@ class DataConfig:
     source: str = field(
         default="builtin:pydoc_topics",
         metadata={
-            "doc": "Corpus: 'builtin:pydoc_topics' (Python's pydoc prose, ~0.5 MB), 'builtin:python_stdlib' "
-            "(the standard library's .py files), a local file or folder (a relative path is relative to the recipe file's "
-            "folder; with --set, to the working directory; stored resolved), or a Hugging Face hub dataset name."
+            "doc": "Corpus: a folder written by `growtrain prepare-data` (token shards, memory-mapped: the way to train "
+            "on large data), or text read into memory at start: 'builtin:pydoc_topics' (Python's pydoc prose, ~0.5 MB), "
+            "'builtin:python_stdlib' (the standard library's .py files), a local file or folder, or a Hugging Face hub "
+            "dataset name. A relative path is relative to the recipe file's folder (with --set, to the working "
+            "directory; stored resolved)."
         },
     )
     format: Literal["auto", "text", "jsonl", "parquet"] = field(
@@ -75,20 +86,23 @@ class DataConfig:
         metadata={
             "doc": "'byte' (UTF-8 bytes plus EOS, 257 ids) or the path of a local tokenizer.json or its folder (relative "
             "as data.source). The run keeps a copy in every checkpoint (generate and export-adapters use that one) "
-            "and a resume refuses a different file under the same path."
+            "and a resume refuses a different file under the same path. Prepared data must name the tokenizer its "
+            "shards were written with (the prepared folder itself holds a copy)."
         },
     )
     eval_fraction: float = field(
         default=0.05,
         metadata={
-            "doc": "Share of documents held out for eval loss, chosen by a hash of each document's text.",
+            "doc": "Share of documents held out for eval loss, chosen by a hash of each document's text (prepared "
+            "data was split by prepare-data: its own share applies).",
             "gt": 0.0,
             "lt": 0.5,
         },
     )
     max_bytes: int = field(
         default=0,
-        metadata={"doc": "Cap on the UTF-8 bytes of text read, taken in document order; 0 means no cap."},
+        metadata={"doc": "Cap on the UTF-8 bytes of text read, taken in document order; 0 means no cap (not for "
+                       "prepared data: prepare-data --max-bytes)."},
     )
     split: str = field(default="train", metadata={"doc": "Split to read from a hub dataset."})
 
@@ -110,10 +124,12 @@ class DataConfig:
 @dataclass
 class Corpus:
     tokenizer: Tokenizer
-    train_tokens: torch.Tensor  # (N_train,) int32, documents shuffled by seed, EOS after each
-    eval_tokens: torch.Tensor  # (N_eval,) int32, documents in source order, EOS after each
+    train: TokenArray  # documents shuffled by seed, EOS after each
+    eval: TokenArray  # documents in source order, EOS after each
     num_documents: int
     description: str
+    fingerprint: str  # names the token content; a resume refuses other data
+    shuffle_seed: int  # of the per-epoch shard order (a one-part stream has one order)
     warnings: tuple[str, ...] = ()  # problems worth a line in the log that do not stop the run
 
 
@@ -252,10 +268,14 @@ def _hub_documents(name: str, cfg: DataConfig) -> Iterator[str]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split=cfg.split)
+        # Streamed: prepare-data reads datasets larger than memory (and no Arrow cache is written).
+        ds = datasets.load_dataset(name, split=cfg.split, streaming=True)
+        columns = list(ds.column_names) if ds.column_names is not None else None
+        yield from _column_texts(ds, cfg.text_field, f"dataset '{name}'", columns)
+    except DataError:
+        raise
     except Exception as exc:
         raise DataError(f"{advice} ({_first_line(exc)})") from None
-    yield from _column_texts(ds, cfg.text_field, f"dataset '{name}'", list(ds.column_names))
 
 
 _PATH_LIKE_SUFFIXES = tuple(_FORMAT_BY_SUFFIX)
@@ -283,7 +303,7 @@ def resolve_tokenizer_path(spec: str, base: Path) -> str:
     return str(path if path.is_absolute() else (base / path).resolve())
 
 
-def _documents(cfg: DataConfig, undecodable: list[str] | None = None) -> tuple[str, Iterator[str]]:
+def read_documents(cfg: DataConfig, undecodable: list[str] | None = None) -> tuple[str, Iterator[str]]:
     """A short name for the corpus and a lazy iterator over its documents, in source order
     (reading a local text file that is not UTF-8 text appends it to `undecodable`)."""
     source = cfg.source
@@ -300,9 +320,8 @@ def _documents(cfg: DataConfig, undecodable: list[str] | None = None) -> tuple[s
     return source, _hub_documents(source, cfg)
 
 
-def _take(docs: Iterable[str], max_bytes: int) -> list[str]:
+def capped(docs: Iterable[str], max_bytes: int) -> Iterator[str]:
     """Non-empty documents in order, the last one cut so the total is at most max_bytes (0: all)."""
-    out: list[str] = []
     budget = max_bytes
     for doc in docs:
         if not doc:
@@ -313,11 +332,10 @@ def _take(docs: Iterable[str], max_bytes: int) -> list[str]:
                 # errors="ignore" drops a multi-byte character split by the cut.
                 doc = doc.encode("utf-8")[:budget].decode("utf-8", errors="ignore")
                 if doc:
-                    out.append(doc)
-                break
+                    yield doc
+                return
             budget -= size
-        out.append(doc)
-    return out
+        yield doc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,79 +348,174 @@ def _hash_unit(text: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
-    """Read, split, tokenize and pack the corpus. Same (cfg, seed) → identical tensors."""
+@dataclass
+class Assignment:
+    """Which documents train (in training order) and which are held out (in source order). A
+    corpus of one document is split inside it: `cut_single` is the share of its tokens that train."""
+
+    train: list[str]
+    eval: list[str]
+    cut_single: float | None = None
+
+
+def assign_documents(docs: list[str], eval_fraction: float, seed: int, whole: bool) -> Assignment:
+    """Split by each document's hash, then shuffle the train documents by seed. `whole`: `docs`
+    is the whole corpus (not one buffer of a streamed one), so a side left empty by the hash gets
+    its nearest document moved across, and a single document is cut by tokens."""
     import torch
 
-    problems = cfg.problems()
-    if problems:
-        raise DataError("; ".join(problems))
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    undecodable: list[str] = []
-    name, doc_iter = _documents(cfg, undecodable)
-    docs = _take(doc_iter, cfg.max_bytes)
-    if not docs:
-        raise DataError(f"data source '{cfg.source}' holds no text")
-
-    if len(docs) == 1:
-        tokens = tokenizer.encode_documents(docs)
-        cut = max(1, min(len(tokens) - 1, int(len(tokens) * (1.0 - cfg.eval_fraction))))
-        train_np, eval_np = tokens[:cut], tokens[cut:]
-    else:
-        units = [_hash_unit(d) for d in docs]
-        is_eval = [u < cfg.eval_fraction for u in units]
+    if whole and len(docs) == 1:
+        return Assignment(docs, [], cut_single=1.0 - eval_fraction)
+    units = [_hash_unit(d) for d in docs]
+    is_eval = [u < eval_fraction for u in units]
+    if whole:
         # Tiny corpora may hash entirely to one side; move the nearest document across.
         if not any(is_eval):
             is_eval[min(range(len(docs)), key=units.__getitem__)] = True
         if all(is_eval):
             is_eval[max(range(len(docs)), key=units.__getitem__)] = False
-        eval_docs = [d for d, e in zip(docs, is_eval) if e]
-        train_docs = [d for d, e in zip(docs, is_eval) if not e]
-        order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(seed)).tolist()
-        train_np = tokenizer.encode_documents([train_docs[i] for i in order])
-        eval_np = tokenizer.encode_documents(eval_docs)
+    eval_docs = [d for d, e in zip(docs, is_eval) if e]
+    train_docs = [d for d, e in zip(docs, is_eval) if not e]
+    order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Assignment([train_docs[i] for i in order], eval_docs)
 
-    train_tokens = torch.from_numpy(np.ascontiguousarray(train_np, dtype=np.int32))
-    eval_tokens = torch.from_numpy(np.ascontiguousarray(eval_np, dtype=np.int32))
-    n_train, n_eval = train_tokens.numel(), eval_tokens.numel()
+
+def cut_single_document(tokens_N: np.ndarray, train_share: float) -> tuple[np.ndarray, np.ndarray]:
+    """A one-document corpus's tokens, split so that both sides hold at least one token."""
+    cut = max(1, min(len(tokens_N) - 1, int(len(tokens_N) * train_share)))
+    return tokens_N[:cut], tokens_N[cut:]
+
+
+def memory_fingerprint(train_N: np.ndarray, eval_N: np.ndarray) -> str:
+    """The fingerprint of a corpus read into memory: its int32 tokens, hashed (what checkpoints
+    have always recorded for such corpora, so their resumes keep matching)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(np.ascontiguousarray(train_N, dtype=np.int32).tobytes())
+    digest.update(np.ascontiguousarray(eval_N, dtype=np.int32).tobytes())
+    return digest.hexdigest()
+
+
+def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
+    """The corpus of `cfg`: prepared shards memory-mapped, or a small source read, split,
+    tokenized and packed in memory. Same (cfg, seed) → identical token arrays."""
+    problems = cfg.problems()
+    if problems:
+        raise DataError("; ".join(problems))
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    path = Path(cfg.source).expanduser()
+    if not cfg.source.startswith("builtin:") and is_prepared_dir(path):
+        return _prepared_corpus(path, cfg, tokenizer, seed)
+    undecodable: list[str] = []
+    name, doc_iter = read_documents(cfg, undecodable)
+    docs = list(capped(doc_iter, cfg.max_bytes))
+    if not docs:
+        raise DataError(f"data source '{cfg.source}' holds no text")
+
+    split = assign_documents(docs, cfg.eval_fraction, seed, whole=True)
+    if split.cut_single is not None:
+        train_np, eval_np = cut_single_document(tokenizer.encode_documents(split.train), split.cut_single)
+    else:
+        train_np, eval_np = tokenizer.encode_documents(split.train), tokenizer.encode_documents(split.eval)
+    train_np = np.ascontiguousarray(train_np, dtype=np.int32)
+    eval_np = np.ascontiguousarray(eval_np, dtype=np.int32)
+    n_train, n_eval = len(train_np), len(eval_np)
     description = (
         f"{name}: {len(docs):,} documents, {n_train + n_eval:,} tokens "
-        f"(train {n_train:,} / eval {n_eval:,}), tokenizer {tokenizer.name}"
+        f"(train {n_train:,} / eval {n_eval:,}), tokenizer {tokenizer.name}, in memory"
     )
     warnings = (_undecodable_warning(undecodable),) if undecodable else ()
-    return Corpus(tokenizer, train_tokens, eval_tokens, len(docs), description, warnings)
+    return Corpus(
+        tokenizer, TokenArray([train_np]), TokenArray([eval_np]), len(docs), description,
+        memory_fingerprint(train_np, eval_np), seed, warnings,
+    )
+
+
+def _prepared_corpus(root: Path, cfg: DataConfig, tokenizer: Tokenizer, seed: int) -> Corpus:
+    manifest = read_manifest(root)
+    if cfg.max_bytes:
+        raise DataError(
+            f"data.max_bytes applies to text read at start, and '{root}' is prepared data: drop data.max_bytes, "
+            "or cap the text with `growtrain prepare-data --max-bytes`"
+        )
+    check_tokenizer(root, manifest, cfg.tokenizer, tokenizer)
+    train, held_out = open_split(root, manifest, "train"), open_split(root, manifest, "eval")
+    if len(train) == 0 or len(held_out) == 0:
+        raise DataError(f"'{root}' holds {len(train):,} train and {len(held_out):,} held-out tokens; both must be > 0")
+    warnings = []
+    if abs(cfg.eval_fraction - manifest.eval_fraction) > 1e-12 and cfg.eval_fraction != DataConfig.eval_fraction:
+        warnings.append(
+            f"data.eval_fraction {cfg.eval_fraction} is not used: '{root}' was split at prepare time with "
+            f"eval_fraction {manifest.eval_fraction}"
+        )
+    docs = manifest.documents
+    description = (
+        f"{root.name} (prepared from {manifest.source}): {docs['train'] + docs['eval']:,} documents, "
+        f"{len(train) + len(held_out):,} tokens (train {len(train):,} in {len(train.parts)} shard(s) / eval "
+        f"{len(held_out):,}), tokenizer {tokenizer.name}, {manifest.dtype}, memory-mapped"
+    )
+    return Corpus(
+        tokenizer, train, held_out, docs["train"] + docs["eval"], description, manifest.fingerprint, seed, tuple(warnings)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Batches
 
 
+def _row_window(start: int, rows: tuple[int, int] | None, batch_size: int, seq_len: int) -> tuple[int, int, int]:
+    """(first token, last token + 1, row count) of rows [r0, r1) of the batch at `start`."""
+    r0, r1 = rows if rows is not None else (0, batch_size)
+    if not 0 <= r0 < r1 <= batch_size:
+        raise DataError(f"rows {r0}..{r1} are not a range of a batch of {batch_size}")
+    return start + r0 * seq_len, start + r1 * seq_len + 1, r1 - r0
+
+
+def _as_batch(window_N: np.ndarray, rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    window = torch.from_numpy(window_N)
+    return window[:-1].view(rows, seq_len), window[1:].view(rows, seq_len)
+
+
 class TokenStream:
-    """Sequential packing over a flat token tensor; the position is `{"cursor", "epoch"}`.
+    """Sequential packing over a `TokenArray`; the position is `{"cursor", "epoch", "shuffle_seed"}`.
 
     A batch is B consecutive windows of T+1 tokens that share their boundary token (targets are
     inputs shifted by one). When the next batch would run past the end, the stream starts over at
     0 and `epoch` grows: a batch never mixes the end of one pass with the start of the next, so its
-    content depends only on (state, batch_size, seq_len).
+    content depends only on (state, batch_size, seq_len). Epoch 0 reads the parts (shards) in
+    their order; each later epoch in a permutation drawn from (shuffle_seed, epoch). A rank asks
+    for its rows only and reads only their tokens.
     """
 
-    def __init__(self, tokens: torch.Tensor):
-        if tokens.dim() != 1:
-            raise DataError(f"TokenStream needs a 1-D token tensor, got shape {tuple(tokens.shape)}")
-        self.tokens_N = tokens
+    def __init__(self, tokens: TokenArray, shuffle_seed: int = 0):
+        self.tokens = tokens
+        self.shuffle_seed = shuffle_seed
         self.cursor = 0
         self.epoch = 0
+        self._order_epoch, self._ordered = 0, tokens
 
     def __len__(self) -> int:
-        return self.tokens_N.numel()
+        return len(self.tokens)
 
     @property
     def tokens_consumed(self) -> int:
         """Stream position counting each finished pass as the whole stream (skipped tails included)."""
         return self.epoch * len(self) + self.cursor
 
-    def state_dict(self) -> dict[str, int]:
-        return {"cursor": self.cursor, "epoch": self.epoch}
+    def _epoch_tokens(self) -> TokenArray:
+        if self._order_epoch != self.epoch:
+            order = list(range(len(self.tokens.parts)))
+            if self.epoch > 0 and len(order) > 1:
+                rng = np.random.default_rng([self.shuffle_seed, self.epoch])
+                order = rng.permutation(len(order)).tolist()
+            self._order_epoch, self._ordered = self.epoch, self.tokens.reordered(order)
+        return self._ordered
+
+    def state_dict(self) -> dict:
+        shard, offset = self._epoch_tokens().locate(self.cursor)
+        # shard/offset are for people reading a checkpoint; cursor and epoch say it all.
+        return {"cursor": self.cursor, "epoch": self.epoch, "shuffle_seed": self.shuffle_seed, "shard": shard, "offset": offset}
 
     def load_state_dict(self, state: dict) -> None:
         missing = {"cursor", "epoch"} - set(state)
@@ -414,10 +527,18 @@ class TokenStream:
                 f"data position cursor={cursor}, epoch={epoch} does not fit a stream of {len(self):,} tokens; "
                 "was the corpus or its config changed since the checkpoint?"
             )
+        if int(state.get("shuffle_seed", self.shuffle_seed)) != self.shuffle_seed:
+            raise DataError(
+                f"the checkpoint's data stream was shuffled with seed {state['shuffle_seed']}, this run's with "
+                f"{self.shuffle_seed}; resume with the recipe's seed unchanged"
+            )
         self.cursor, self.epoch = cursor, epoch
 
-    def next_batch(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs_BT, targets_BT), both int64."""
+    def next_batch(
+        self, batch_size: int, seq_len: int, rows: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both int64, of rows [r0, r1) of the next global batch (all rows by
+        default); the stream moves on by the whole batch."""
         step = batch_size * seq_len
         if batch_size < 1 or seq_len < 1:
             raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
@@ -429,37 +550,39 @@ class TokenStream:
         if self.cursor + step + 1 > len(self):
             self.cursor = 0
             self.epoch += 1
-        window = self.tokens_N[self.cursor : self.cursor + step + 1].long()
+        start, stop, n_rows = _row_window(self.cursor, rows, batch_size, seq_len)
+        window = self._epoch_tokens().read(start, stop)
         self.cursor += step
-        return window[:-1].view(batch_size, seq_len), window[1:].view(batch_size, seq_len)
+        return _as_batch(window, n_rows, seq_len)
 
 
 def eval_batches(
-    tokens: torch.Tensor, batch_size: int, seq_len: int, max_batches: int
+    tokens: TokenArray, batch_size: int, seq_len: int, max_batches: int, rows: tuple[int, int] | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Up to `max_batches` full batches of windows from the start of the eval stream.
+    """Up to `max_batches` full batches of windows from the start of the eval stream (rows
+    [r0, r1) of each, all by default).
 
     When the stream is too short for one full batch, a single smaller batch of the rows that fit
-    is returned, so a tiny corpus still gets an eval loss.
+    is returned, so a tiny corpus still gets an eval loss (all of its rows: `rows` needs a full
+    batch).
     """
     if batch_size < 1 or seq_len < 1 or max_batches < 1:
         raise DataError(
             f"batch_size, seq_len and max_batches must be >= 1, got {batch_size}, {seq_len}, {max_batches}"
         )
-    rows = (tokens.numel() - 1) // seq_len if tokens.numel() > 0 else 0
-    if rows < 1:
+    n_tokens = len(tokens)
+    available = (n_tokens - 1) // seq_len if n_tokens > 0 else 0
+    if available < 1:
         raise DataError(
-            f"the eval stream has {tokens.numel():,} tokens, fewer than one window of seq_len+1 = {seq_len + 1}; "
+            f"the eval stream has {n_tokens:,} tokens, fewer than one window of seq_len+1 = {seq_len + 1}; "
             "raise data.eval_fraction, use more data or a shorter seq_len"
         )
-    if rows < batch_size:
-        batch_size, n_batches = rows, 1
+    if available < batch_size:
+        batch_size, n_batches, rows = available, 1, None
     else:
-        n_batches = min(max_batches, rows // batch_size)
+        n_batches = min(max_batches, available // batch_size)
     batches = []
     for b in range(n_batches):
-        start = b * batch_size * seq_len
-        window = tokens[start : start + batch_size * seq_len + 1].long()
-        batches.append((window[:-1].view(batch_size, seq_len), window[1:].view(batch_size, seq_len)))
+        start, stop, n_rows = _row_window(b * batch_size * seq_len, rows, batch_size, seq_len)
+        batches.append(_as_batch(tokens.read(start, stop), n_rows, seq_len))
     return batches
-

@@ -3,7 +3,7 @@ GPU (per CPU process on gloo), experts sharded over all of them, dense parameter
 (DESIGN.md §12). A single process gets `Dist()`, whose every method is a no-op.
 
 What each rank does differently from a single process:
-- data: every rank draws the same global batch from the same stream and trains on its own rows
+- data: every rank walks the same global stream and reads only its own rows of each batch
   (so the data cursor, and a resume at another EP size, do not depend on N);
 - experts: rank r holds experts [r·E/N, (r+1)·E/N) of every MoE layer
   (growtrain/model/expert_parallel.py); their gradients come from every rank's tokens through the
@@ -109,12 +109,12 @@ class Dist:
 
     # -- data ------------------------------------------------------------------------------------
 
-    def local_rows(self, x_B: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a global batch (the recipe checks that batch sizes divide by W)."""
+    def row_range(self, batch_size: int) -> tuple[int, int]:
+        """This rank's rows [r0, r1) of a global batch (the recipe checks that batch sizes divide by W)."""
         if not self.active:
-            return x_B
-        n = x_B.shape[0] // self.size
-        return x_B[self.rank * n : (self.rank + 1) * n]
+            return 0, batch_size
+        n = batch_size // self.size
+        return self.rank * n, (self.rank + 1) * n
 
     def mean(self, *values: float) -> list[float]:
         """Each value averaged over the ranks (one all-reduce for all of them)."""

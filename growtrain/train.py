@@ -12,7 +12,6 @@ run's losses and weights bit for bit.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -90,13 +89,6 @@ def seed_model_config(recipe: Recipe, corpus: Corpus) -> ModelConfig:
     if recipe.model.vocab_size and recipe.model.vocab_size < vocab:
         raise RecipeError([f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {vocab}; set it to 0 to use the tokenizer's size"])
     return recipe.model.with_changes(vocab_size=recipe.model.vocab_size or vocab)
-
-
-def data_fingerprint(corpus: Corpus) -> str:
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(corpus.train_tokens.numpy().tobytes())
-    digest.update(corpus.eval_tokens.numpy().tobytes())
-    return digest.hexdigest()
 
 
 def resolve_device(setting: str, dist: Dist) -> torch.device:
@@ -468,7 +460,7 @@ class Run:
         self.log(f"growtrain {recipe.name}: {self.env['code']}, torch {self.env['torch']}, {self.env['device']}")
 
         corpus = load_corpus(recipe.data, recipe.seed)
-        self.data_fingerprint = data_fingerprint(corpus)
+        self.data_fingerprint = corpus.fingerprint
         # The tokenizer travels with the run: each checkpoint holds a copy (generate and export
         # read that one, wherever they run from) and records its sha256 (a resume compares it).
         self.tokenizer = tokenizer_identity(recipe.data.tokenizer)
@@ -477,11 +469,11 @@ class Run:
         self.log(f"data: {corpus.description} (fingerprint {self.data_fingerprint})")
         for warning in corpus.warnings:
             self.log(f"warning: {warning}")
-        self.stream = TokenStream(corpus.train_tokens)
+        self.stream = TokenStream(corpus.train, corpus.shuffle_seed)
         seed_shape = seed_model_config(recipe, corpus)
         shapes = plan_stage_models(seed_shape, [s.grow for s in recipe.stages])
         self._check_parallel(shapes)
-        probe = tuple(map(self.to_device, eval_batches(corpus.eval_tokens, recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len, 1)[0]))
+        probe = tuple(map(self.to_device, eval_batches(corpus.eval, recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len, 1)[0]))
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.dist.clear_failures()
@@ -591,8 +583,8 @@ class Run:
     def _train_stage(self, pos: Position, stage: StageConfig, corpus: Corpus) -> None:
         recipe = self.recipe
         precision = recipe.train.precision
-        local = self.dist.local_rows
-        evals = [(self.to_device(local(x)), self.to_device(local(y))) for x, y in eval_batches(corpus.eval_tokens, stage.batch_size, stage.seq_len, recipe.train.eval_batches)]
+        rows = self.dist.row_range(stage.batch_size)  # this rank reads only its rows of each batch
+        evals = [(self.to_device(x), self.to_device(y)) for x, y in eval_batches(corpus.eval, stage.batch_size, stage.seq_len, recipe.train.eval_batches, rows)]
         tokens_per_step = stage.batch_size * stage.seq_len * stage.grad_accum
         self.console.write(
             f"stage {pos.stage + 1}/{len(recipe.stages)} '{stage.name}': {self.num_parameters():,} params, "
@@ -609,8 +601,8 @@ class Run:
             ce_acc = aux_acc = None
             loads = None
             for _ in range(stage.grad_accum):
-                inputs, targets = self.stream.next_batch(stage.batch_size, stage.seq_len)
-                ce, aux, stats = forward_loss(self.model, self.to_device(local(inputs)), self.to_device(local(targets)), precision)
+                inputs, targets = self.stream.next_batch(stage.batch_size, stage.seq_len, rows)
+                ce, aux, stats = forward_loss(self.model, self.to_device(inputs), self.to_device(targets), precision)
                 ((ce + aux) / stage.grad_accum).backward()
                 ce_part, aux_part = ce.detach().double() / stage.grad_accum, aux.detach().double() / stage.grad_accum
                 ce_acc = ce_part if ce_acc is None else ce_acc + ce_part

@@ -11,13 +11,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from growtrain.data import DataConfig, DataError, TokenStream, eval_batches, load_corpus
+from growtrain.data import DataConfig, DataError, TokenArray, TokenStream, eval_batches, load_corpus
 from growtrain.tokenizer import ByteTokenizer, HFTokenizerFile, build_tokenizer
+
+
+def _tokens(array: TokenArray) -> torch.Tensor:
+    """A whole token array as one int32 tensor (fine for the small corpora here)."""
+    return torch.from_numpy(array.read(0, len(array)).astype("int32"))
+
+
+def _array(tokens: torch.Tensor) -> TokenArray:
+    return TokenArray([tokens.numpy()])
 
 
 def _all_text(corpus) -> str:
     tok = corpus.tokenizer
-    return tok.decode(corpus.train_tokens.tolist()) + tok.decode(corpus.eval_tokens.tolist())
+    return tok.decode(_tokens(corpus.train).tolist()) + tok.decode(_tokens(corpus.eval).tolist())
 
 
 # --- tokenizers ------------------------------------------------------------------------------
@@ -72,24 +81,24 @@ def test_builtin_pydoc_corpus_is_split_deterministically_and_shuffled_by_seed():
     a = load_corpus(DataConfig(), seed=0)
     b = load_corpus(DataConfig(), seed=0)
     c = load_corpus(DataConfig(), seed=1)
-    assert a.train_tokens.dtype == torch.int32 and a.train_tokens.dim() == 1
-    assert a.eval_tokens.numel() > 0 and a.train_tokens.numel() > 10 * a.eval_tokens.numel()
+    assert _tokens(a.train).dtype == torch.int32 and _tokens(a.train).dim() == 1
+    assert _tokens(a.eval).numel() > 0 and _tokens(a.train).numel() > 10 * _tokens(a.eval).numel()
     assert a.num_documents > 50 and "pydoc_topics" in a.description
-    assert torch.equal(a.train_tokens, b.train_tokens) and torch.equal(a.eval_tokens, b.eval_tokens)
+    assert torch.equal(_tokens(a.train), _tokens(b.train)) and torch.equal(_tokens(a.eval), _tokens(b.eval))
     # The held-out set is fixed; only the order of the train documents follows the seed.
-    assert torch.equal(a.eval_tokens, c.eval_tokens)
-    assert not torch.equal(a.train_tokens, c.train_tokens)
-    assert torch.equal(a.train_tokens.sort().values, c.train_tokens.sort().values)
+    assert torch.equal(_tokens(a.eval), _tokens(c.eval))
+    assert not torch.equal(_tokens(a.train), _tokens(c.train))
+    assert torch.equal(_tokens(a.train).sort().values, _tokens(c.train).sort().values)
     eos = a.tokenizer.eos_id
-    n_eos = int((a.train_tokens == eos).sum() + (a.eval_tokens == eos).sum())
-    assert n_eos == a.num_documents and a.train_tokens[-1] == eos
+    n_eos = int((_tokens(a.train) == eos).sum() + (_tokens(a.eval) == eos).sum())
+    assert n_eos == a.num_documents and _tokens(a.train)[-1] == eos
 
 
 def test_stdlib_corpus_with_a_byte_cap_loads_quickly():
     start = time.perf_counter()
     corpus = load_corpus(DataConfig(source="builtin:python_stdlib", max_bytes=200_000), seed=0)
     assert time.perf_counter() - start < 5.0
-    n_tokens = corpus.train_tokens.numel() + corpus.eval_tokens.numel()
+    n_tokens = _tokens(corpus.train).numel() + _tokens(corpus.eval).numel()
     assert n_tokens - corpus.num_documents == 200_000  # one byte per token, plus an EOS per document
     assert "import" in _all_text(corpus)
 
@@ -113,7 +122,7 @@ def test_local_text_folder_loads_each_file_as_one_document_recursively(tmp_path)
     assert corpus.num_documents == 3
     text = _all_text(corpus)
     assert "first file\nwith two lines\n" in text and "# second" in text and "a,b" not in text
-    assert corpus.eval_tokens.numel() > 0 and corpus.train_tokens.numel() > 0
+    assert _tokens(corpus.eval).numel() > 0 and _tokens(corpus.train).numel() > 0
 
 
 def test_local_jsonl_file_loads_its_text_field(tmp_path):
@@ -168,7 +177,7 @@ def test_empty_corpus_is_a_data_error(tmp_path):
 def test_single_document_is_split_by_token_position(tmp_path):
     (tmp_path / "only.txt").write_text("x" * 999)
     corpus = load_corpus(DataConfig(source=str(tmp_path / "only.txt"), eval_fraction=0.1), seed=0)
-    assert (corpus.train_tokens.numel(), corpus.eval_tokens.numel()) == (900, 100)
+    assert (_tokens(corpus.train).numel(), _tokens(corpus.eval).numel()) == (900, 100)
 
 
 def test_config_problems_are_all_reported_at_once():
@@ -182,7 +191,7 @@ def test_config_problems_are_all_reported_at_once():
 
 
 def _arange_stream(n: int) -> TokenStream:
-    return TokenStream(torch.arange(n, dtype=torch.int32))
+    return TokenStream(_array(torch.arange(n, dtype=torch.int32)))
 
 
 def test_stream_batches_are_contiguous_shifted_windows():
@@ -192,7 +201,7 @@ def test_stream_batches_are_contiguous_shifted_windows():
     assert inputs_BT.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert torch.equal(targets_BT, inputs_BT + 1)
     inputs_BT, _ = stream.next_batch(batch_size=2, seq_len=5)
-    assert inputs_BT[0, 0] == 12 and stream.state_dict() == {"cursor": 22, "epoch": 0}
+    assert inputs_BT[0, 0] == 12 and stream.state_dict()["cursor"] == 22 and stream.state_dict()["epoch"] == 0
 
 
 @settings(max_examples=30, deadline=None)
@@ -202,6 +211,7 @@ def test_stream_batches_are_contiguous_shifted_windows():
 )
 def test_resumed_stream_reproduces_the_uninterrupted_batches_across_shape_changes(shapes, resume_at):
     tokens = torch.randint(0, 257, (61,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    tokens = _array(tokens)
     full = TokenStream(tokens)
     expected = [full.next_batch(b, t) for b, t in shapes]
 
@@ -222,9 +232,9 @@ def test_stream_wraps_to_the_start_and_counts_the_epoch():
     stream = _arange_stream(25)
     stream.next_batch(2, 5)
     stream.next_batch(2, 5)  # cursor 20: another 2x5 batch needs tokens up to 30
-    assert stream.state_dict() == {"cursor": 20, "epoch": 0}
+    assert (stream.cursor, stream.epoch) == (20, 0)
     inputs_BT, _ = stream.next_batch(2, 5)
-    assert inputs_BT[0, 0] == 0 and stream.state_dict() == {"cursor": 10, "epoch": 1}
+    assert inputs_BT[0, 0] == 0 and (stream.cursor, stream.epoch) == (10, 1)
     assert stream.tokens_consumed == 25 + 10
 
 
@@ -242,7 +252,7 @@ def test_loading_a_position_beyond_the_stream_is_refused():
 
 
 def test_eval_batches_are_deterministic_non_overlapping_full_batches():
-    tokens = torch.arange(100, dtype=torch.int32)
+    tokens = _array(torch.arange(100, dtype=torch.int32))
     batches = eval_batches(tokens, batch_size=2, seq_len=8, max_batches=4)
     assert len(batches) == 4
     starts = [int(x[r, 0]) for x, _ in batches for r in range(2)]
@@ -255,7 +265,7 @@ def test_eval_batches_are_deterministic_non_overlapping_full_batches():
 
 
 def test_eval_batches_shrink_to_the_rows_that_fit_and_refuse_less_than_one_row():
-    tokens = torch.arange(30, dtype=torch.int32)
+    tokens = _array(torch.arange(30, dtype=torch.int32))
     (only,) = eval_batches(tokens, batch_size=8, seq_len=9, max_batches=5)
     assert only[0].shape == (3, 9)  # 3 rows of 9 need 28 tokens
     with pytest.raises(DataError, match="fewer than one window"):

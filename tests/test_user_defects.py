@@ -134,6 +134,21 @@ def test_the_built_wheel_installed_in_a_fresh_venv_validates_and_trains_outside_
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "done: step 6" in trained.stdout
     assert (user / "run" / "checkpoints" / "latest").is_file()
+    # prepare-data from the wheel (its worker processes import the installed package), then the
+    # same run on the shards: the same losses.
+    micro = short_micro()
+    data = micro["data"]
+    prepared = subprocess.run([str(growtrain), "prepare-data", data["source"], "--out", "prepared", "--workers", "2",
+                               "--max-bytes", str(data["max_bytes"]), "--eval-fraction", str(data["eval_fraction"]),
+                               "--seed", str(micro["seed"])], cwd=user, capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    micro["data"] = {"source": "prepared", "eval_fraction": data["eval_fraction"]}
+    (user / "prepared.yaml").write_text(yaml.safe_dump(micro))
+    on_shards = subprocess.run([str(growtrain), "run", "prepared.yaml", "--out", "run-prepared"], cwd=user, capture_output=True,
+                               text=True, env=cli_env(), timeout=600)
+    assert on_shards.returncode == 0, on_shards.stderr[-3000:]
+    assert "memory-mapped" in on_shards.stdout
+    assert losses(user / "run-prepared") == losses(user / "run")
 
 
 # --- 4. one run per run directory ------------------------------------------------------------------
