@@ -178,6 +178,14 @@ class InvarianceConfig:
             "per operator (README: Growth checks); false turns both off (with a warning)."
         },
     )
+    values: bool = field(
+        default=True,
+        metadata={
+            "doc": "After each operator, recompute from its provenance every copied element (β · source, bitwise in fp32), "
+            "every copy count S, the redrawn neuron counts, and for NF4 experts bitsandbytes' dequantization of the codes "
+            "and its round-trip error on the same weights (stages/values.py); false turns it off (with a warning)."
+        },
+    )
     dynamics_exact_tol: float = field(
         default=1e-4,
         metadata={

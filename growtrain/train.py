@@ -532,6 +532,8 @@ class Run:
             return
         if not self.recipe.invariance.dynamics:
             self.console.write("warning: invariance.dynamics is false: no one-step dynamics or trainability check of this growth")
+        if not self.recipe.invariance.values:
+            self.console.write("warning: invariance.values is false: no check of the grown values against their provenance")
         # Under expert parallelism every rank grows the gathered model identically, then re-shards.
         model, state = self.dist.gather_full(self.model, self.optimizer.state)
         try:
@@ -568,6 +570,7 @@ class Run:
                 f"rel L2 {m['rel_l2']:.2e}, cosine {m['cosine']:.6f}, Δloss {m['loss_after'] - m['loss_before']:+.2e}"
                 + (f", router KL ≤ {m['max_router_kl']:.1e}" if "max_router_kl" in m else "")
                 + (f", one-step Δ rel {m['dynamics']['rel_l2']:.1e} ({m['dynamics']['seconds'] + m.get('trainability', {}).get('seconds', 0.0):.2f}s)" if "dynamics" in m else "")
+                + (f", values checked ({m['values']['elements']:,} copied elements, {m['values']['seconds']:.2f}s)" if "values" in m else "")
                 + " — passed"
             )
         self.tracker.log_transition(stage.name, outcome.records, pos.global_step)

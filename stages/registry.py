@@ -46,6 +46,10 @@ class Provenance:
     `fresh` (copy only): a bool mask shaped like the new parameter of elements that are not copies
     at all but newly drawn (new neurons, new heads, re-initialized rows): they get fresh state with
     their own step count, inside the same tensor.
+    `perturbed` (copy only): a bool mask (or True: all) of copied elements the operator moved on
+    purpose by noise (widen_hidden's null-space noise, clone's router noise), each by at most
+    `perturb_bound` (absolute); the value check (stages/values.py) holds every other copied element
+    to β · transform(source) bitwise.
     """
 
     kind: str
@@ -54,6 +58,8 @@ class Provenance:
     copies: float | torch.Tensor = 1.0  # S
     beta: float | torch.Tensor = 1.0
     fresh: torch.Tensor | None = None
+    perturbed: bool | torch.Tensor | None = None
+    perturb_bound: float = 0.0
 
 
 @dataclass

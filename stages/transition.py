@@ -25,6 +25,7 @@ from growtrain.stages.invariance import (
 )
 from growtrain.stages.invariance import probe as run_probe
 from growtrain.stages.registry import GrowthPlanError, Provenance, get_operator
+from growtrain.stages.values import value_check
 
 
 class GrowthCheckFailed(Exception):
@@ -186,6 +187,9 @@ def apply_growth(
                 structure.append(f"optimizer state could not be mapped: {type(exc).__name__}: {exc}")
             else:
                 structure += optimizer_problems(new_model, new_state)
+        if not structure and getattr(invariance_cfg, "values", True):
+            metrics["values"], found = value_check(step.op, step.args, model, growth)
+            problems += found
         if dyn.on and not structure:
             problems += dyn.check_operator(step.op, step.args, exact, model, optimizer_state, new_model, new_state, growth.provenance, probe, invariance_cfg, metrics)
         record = _record(stage_name, stage_index, j, op.name, step.to_plain(), exact, metrics, model, new_model, planned_params, structure + problems)

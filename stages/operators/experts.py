@@ -299,16 +299,20 @@ def apply_clone(model, args: CloneExpertsArgs) -> Growth:
         block, what = where
         grown = tile(w)
         if what.startswith("router."):
+            noisy, bound = None, 0.0
             if what == "router.weight" and args.router_noise > 0:
                 rms = w.double().pow(2).mean().sqrt().item()
                 noise = torch.randn(grown.shape, dtype=torch.float64) * (args.router_noise * rms)
                 noise[:E] = 0  # the first child keeps its parent's logits exactly
                 grown = grown + noise.to(device=w.device, dtype=w.dtype)
+                # N(0, std²) draws beyond 12 std: probability ~1e-32 (plus the sum's fp32 rounding).
+                noisy = (~first).view(-1, *([1] * (grown.ndim - 1))).expand(grown.shape).to(grown.device)
+                bound = 12.0 * args.router_noise * rms + 1e-6 * float(grown.abs().max())
             if what == "router.balance_bias":
                 grown = grown * _bias_scale(old_cfg.moe, m)
             new[name] = grown
             if name in params:
-                provenance[name] = Provenance("copy", name, tile, copies=float(m), beta=1.0)
+                provenance[name] = Provenance("copy", name, tile, copies=float(m), beta=1.0, perturbed=noisy, perturb_bound=bound)
             continue
         if nf4:
             continue  # _clone_nf4 below

@@ -70,12 +70,16 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
         beta = 1.0 / k if input_side else 1.0
         tile = lambda t, reps=tuple(reps): t.repeat(reps)  # noqa: E731
         grown = tile(w) * beta if beta != 1.0 else tile(w)
+        noisy, bound = None, 0.0
         if input_side and args.noise > 0:
-            grown = grown + _null_space_noise(grown, k, args.noise * grown.pow(2).mean().sqrt().item())
+            std = args.noise * grown.pow(2).mean().sqrt().item()
+            # Zero-mean over k copies of N(0, std²) draws: beyond 12 std only with probability ~1e-32.
+            grown = grown + _null_space_noise(grown, k, std)
+            noisy, bound = True, 12.0 * std + 1e-6 * float(grown.abs().max())  # + the sum's fp32 rounding
         new[name] = grown
         if name in params:
             copies = math.prod(reps)
-            provenance[name] = Provenance("copy", name, tile, copies=copies * beta, beta=beta)
+            provenance[name] = Provenance("copy", name, tile, copies=copies * beta, beta=beta, perturbed=noisy, perturb_bound=bound)
     return Growth(materialize(new_cfg, new), provenance, stream_view=lambda x, k=k: x.unflatten(-1, (k, -1)).mean(-2))
 
 

@@ -1,0 +1,214 @@
+"""Value checks against provenance (issue 15): what an operator says it did, recomputed.
+
+Function and dynamics checks see a parameter only through the logits; a value that is slightly
+wrong, or a copy count S that is wrong where the experts are held from the dynamics check, passes
+them. These checks read the provenance alone, not the operator's code path:
+
+- **values**: every 'copy' element that is not fresh equals β · transform(source) bitwise in fp32
+  (one fp32 ulp for other dtypes: β is stored as fp32); elements the operator declares perturbed
+  (null-space or router noise) are within its declared bound.
+- **copy counts**: S of every kept element equals the sum of β over all kept elements that come
+  from the same source element, found by pushing the source's element indices through the
+  transform (DESIGN.md §7's rule, derived instead of declared).
+- **redrawn fractions**: drop-upcycling and clone_experts redraw exactly round(fraction · F)
+  neurons of each expert they declare (none of a clone's first copy).
+- **NF4**: every NF4 base dequantizes, through the path the model uses, to bitsandbytes' own
+  dequantization of its stored codes (expert by expert, from its QuantState); after
+  quantize_experts / merge_adapters, the weight-space error of the new experts (base + LoRA) is at
+  most bitsandbytes' own NF4 round-trip error on the same full-precision weights.
+
+Problems are worded "values: ..." and name the parameter (hence the block) and the number.
+Cost: per copied parameter one transform of the source and of an index tensor (peak: one
+parameter's worth, int32/int64 plus a float64 sum per source element); for NF4 one dequantization
+of every base per operator, plus one bitsandbytes quantize/dequantize round trip of the experts at
+quantize_experts and merge_adapters.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+from growtrain.kernels.nf4_reference import NF4_BLOCKSIZE, bitsandbytes_functional, dequantize_nf4_bitsandbytes
+from growtrain.model.nf4 import MATRICES, NF4Experts, stored_layout
+from growtrain.stages.registry import Growth, Provenance
+
+_EXPERT = re.compile(r"^blocks\.(\d+)\.g\.ffn\.experts\.(w_gate|w_up|w_down)$")
+S_RTOL = 1e-5  # S is a float sum of β (split shares carry zero-sum noise): exact up to rounding
+NF4_ERROR_RTOL = 1e-6  # our quantization is bitsandbytes': the errors agree to rounding
+
+
+def value_check(op_name: str, args, old_model, growth: Growth) -> tuple[dict, list[str]]:
+    t0 = time.perf_counter()
+    old = dict(old_model.named_parameters())
+    new = dict(growth.model.named_parameters())
+    problems: list[str] = []
+    checked = perturbed = 0
+    worst = 0.0
+    with torch.no_grad():
+        for name, prov in growth.provenance.items():
+            if prov.kind != "copy" or name not in new or prov.source not in old:
+                continue
+            n, p, diff, found = _copy_problems(name, prov, old[prov.source].detach(), new[name].detach())
+            checked, perturbed, worst = checked + n, perturbed + p, max(worst, diff)
+            problems += found
+        problems += _redraw_problems(op_name, args, old_model, growth)
+        problems += nf4_problems(growth.model)
+        if op_name in ("quantize_experts", "merge_adapters"):
+            problems += quantization_error_problems(old_model, growth.model, merged_source=op_name == "merge_adapters")
+    metrics = {"elements": checked, "perturbed": perturbed, "max_abs_diff": worst, "seconds": time.perf_counter() - t0}
+    return metrics, problems
+
+
+def _full(x, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A provenance field (float or tensor) as a tensor shaped like `like`."""
+    t = x.to(like.device) if isinstance(x, torch.Tensor) else torch.tensor(float(x), device=like.device)
+    return t.to(dtype or like.dtype).expand(like.shape)
+
+
+def _copy_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Tensor) -> tuple[int, int, float, list[str]]:
+    grown = prov.transform(old)
+    if tuple(grown.shape) != tuple(new.shape):
+        return 0, 0, 0.0, [f"values: {name}: its transform gives shape {tuple(grown.shape)}, the parameter is {tuple(new.shape)}"]
+    beta = prov.beta
+    if isinstance(beta, torch.Tensor):
+        expected = grown * beta.to(device=grown.device, dtype=grown.dtype)
+    else:
+        expected = grown * beta if beta != 1.0 else grown
+    keep = torch.ones(new.shape, dtype=torch.bool, device=new.device)
+    if prov.fresh is not None:
+        keep &= ~prov.fresh.to(new.device)
+    noisy = None
+    if prov.perturbed is not None:
+        noisy = _full(prov.perturbed, new, torch.bool) & keep
+        keep &= ~noisy
+    problems = []
+    delta = (new.double() - expected.double()).abs()
+    if new.dtype == torch.float32:
+        bad = (new != expected) & keep
+    else:  # β is stored as fp32: the operator's product may differ by its rounding
+        bad = (delta > expected.double().abs() * 2.0**-23) & keep
+    n_bad = int(bad.sum())
+    worst = float(delta[keep].max()) if bool(keep.any()) else 0.0
+    if n_bad:
+        problems.append(
+            f"values: {n_bad} of {int(keep.sum())} copied element(s) of {name} differ from β · transform({prov.source}) "
+            f"(max |Δ| {float(delta[bad].max()):.3g}; fp32 copies must match bitwise)"
+        )
+    n_noisy = int(noisy.sum()) if noisy is not None else 0
+    if n_noisy:
+        over = delta[noisy] > prov.perturb_bound
+        if bool(over.any()):
+            problems.append(
+                f"values: {int(over.sum())} of {n_noisy} perturbed element(s) of {name} move by up to {float(delta[noisy].max()):.3g}, "
+                f"beyond the operator's declared bound {prov.perturb_bound:.3g}"
+            )
+    problems += _copies_problems(name, prov, old, new, keep | (noisy if noisy is not None else keep))
+    return int(keep.sum()), n_noisy, worst, problems
+
+
+def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Tensor, keep: torch.Tensor) -> list[str]:
+    """S derived from the transform and β against the declared S, on the kept elements."""
+    index_dtype = torch.int32 if old.numel() < 2**31 else torch.int64
+    index = prov.transform(torch.arange(old.numel(), dtype=index_dtype, device=old.device).view(old.shape)).long()
+    beta = _full(prov.beta, new, torch.float64)
+    sums = torch.zeros(old.numel(), dtype=torch.float64, device=old.device).index_add_(0, index[keep], beta[keep])
+    derived = sums[index]
+    declared = _full(prov.copies, new, torch.float64)
+    off = (derived - declared).abs() > S_RTOL * derived.abs().clamp_min(1.0)
+    off &= keep
+    if not bool(off.any()):
+        return []
+    first = off.nonzero()[0].tolist()
+    return [
+        f"values: {name}: {int(off.sum())} element(s) declare copy count S = {float(declared[tuple(first)]):g} where the "
+        f"transform and β give {float(derived[tuple(first)]):g} (element {first}): their optimizer state would be "
+        "mapped with the wrong S"
+    ]
+
+
+def _redraw_problems(op_name: str, args, old_model, growth: Growth) -> list[str]:
+    """Each expert redraws exactly round(fraction · F) neurons (a clone's first copies none)."""
+    if op_name == "upcycle_moe" and getattr(args, "drop_ratio", 0) > 0:
+        fraction, skip_first = args.drop_ratio, 0
+    elif op_name == "clone_experts" and old_model.config.moe is not None and old_model.config.moe.expert_format == "full":
+        fraction, skip_first = args.reinit_fraction, old_model.config.moe.num_experts
+    else:
+        return []
+    problems = []
+    for name, prov in growth.provenance.items():
+        match = _EXPERT.match(name)
+        if match is None or prov.kind != "copy":
+            continue
+        param = dict(growth.model.named_parameters())[name]
+        hidden_dim = 2 if match.group(2) == "w_down" else 1
+        F = param.shape[hidden_dim]
+        want = round(fraction * F)
+        fresh = prov.fresh if prov.fresh is not None else torch.zeros(param.shape, dtype=torch.bool)
+        per_neuron = fresh.any(dim=3 - hidden_dim)  # [E, F]
+        counts = per_neuron.sum(1)
+        expected = torch.full_like(counts, want)
+        expected[:skip_first] = 0
+        wrong = (counts != expected).nonzero().flatten().tolist()
+        if wrong:
+            e = wrong[0]
+            problems.append(
+                f"values: {name}: {len(wrong)} expert(s) redraw another number of neurons than declared (expert {e}: "
+                f"{int(counts[e])} of {F}, declared {int(expected[e])} = round({fraction:g} x {F})"
+                + (", none for a clone's first copy" if skip_first else "") + ")"
+            )
+    return problems
+
+
+def _nf4_modules(model) -> list[tuple[str, NF4Experts]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, NF4Experts)]
+
+
+def nf4_problems(model) -> list[str]:
+    """Every NF4 base, dequantized the way the model does, equals bitsandbytes' own dequantization
+    of the stored codes (each expert from its QuantState), bitwise."""
+    problems = []
+    for prefix, experts in _nf4_modules(model):
+        for m in MATRICES:
+            stack = experts.stack(m)
+            ours = experts.dequantized(m)  # the model's path, in the full-precision layout
+            theirs = torch.stack([dequantize_nf4_bitsandbytes(stack, e) for e in range(stack.num_experts)])
+            theirs = theirs.transpose(1, 2) if m == "w_down" else theirs
+            if not torch.equal(ours, theirs):
+                n = int((ours != theirs).sum())
+                problems.append(
+                    f"values: {prefix}.{m}: {n} dequantized NF4 weight(s) differ from bitsandbytes' dequantization of the "
+                    f"stored codes (max |Δ| {float((ours - theirs).abs().max()):.3g})"
+                )
+    return problems
+
+
+def quantization_error_problems(old_model, new_model, merged_source: bool) -> list[str]:
+    """The new experts' weight-space error (base + LoRA, the function they compute) is at most
+    bitsandbytes' NF4 round-trip error on the same full-precision weights."""
+    bnbf = bitsandbytes_functional()
+    old_modules = dict(old_model.named_modules())
+    problems = []
+    for prefix, experts in _nf4_modules(new_model):
+        source = old_modules.get(prefix)
+        if source is None:
+            continue
+        for m in MATRICES:
+            full = source.merged(m) if merged_source else getattr(source, m).detach().float()
+            stored = stored_layout(m, full)
+            double_quant = experts.stack(m).double_quant
+            round_trip = torch.stack([
+                bnbf.dequantize_4bit(*bnbf.quantize_4bit(w.reshape(-1).contiguous(), blocksize=NF4_BLOCKSIZE,
+                                                         quant_type="nf4", compress_statistics=double_quant)).reshape(w.shape)
+                for w in stored
+            ])
+            reference = float((stored - round_trip).double().norm())
+            got = float((full - experts.merged(m)).double().norm())
+            if got > reference * (1 + NF4_ERROR_RTOL) + 1e-12:
+                problems.append(
+                    f"values: {prefix}.{m}: the quantized experts are {got / max(reference, 1e-30):.3g}x as far from the "
+                    f"full-precision weights as bitsandbytes' own NF4 round trip (L2 {got:.4g} vs {reference:.4g})"
+                )
+    return problems
