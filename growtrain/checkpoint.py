@@ -42,7 +42,10 @@ MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 _RESERVED = {MODEL_FILE, TRAINER_FILE, META_FILE, MANIFEST_FILE}
 _CHUNK = 1 << 20
-_STEP_DIR = re.compile(r"step-(\d{8,})")
+# step-NNNNNNNN, or step-NNNNNNNN-grown: saved right after a stage's growth, before its first step
+# (the same global step as the previous stage's end, and newer than it).
+_STEP_DIR = re.compile(r"step-(\d{8,})(-grown)?")
+GROWN_SUFFIX = "-grown"
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ class CheckpointConfig:
         default=True,
         metadata={"doc": "Never delete the checkpoint written at the end of a stage."},
     )
+    after_growth: bool = field(
+        default=True,
+        metadata={
+            "doc": "Save a checkpoint right after each stage's growth, before its first step (step-N-grown), so that a "
+            "crash early in the stage resumes without repeating the growth and its checks."
+        },
+    )
 
 
 class CheckpointError(Exception):
@@ -77,8 +87,8 @@ class LoadedCheckpoint:
     stage_end: bool
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
+def step_dir_name(step: int, grown: bool = False) -> str:
+    return f"step-{step:08d}" + (GROWN_SUFFIX if grown else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,9 +228,10 @@ def verify_checkpoint(path: Path) -> list[str]:
     return problems
 
 
-def _step_of(path: Path) -> int | None:
+def _step_of(path: Path) -> tuple[int, int] | None:
+    """(step, 1 for a checkpoint saved after growth else 0): the order of a run's checkpoints."""
     m = _STEP_DIR.fullmatch(path.name)
-    return int(m.group(1)) if m else None
+    return (int(m.group(1)), 1 if m.group(2) else 0) if m else None
 
 
 def write_shard_file(path: Path, shard: dict) -> None:
@@ -297,9 +308,10 @@ def load_checkpoint(path: Path, expert_shard: tuple[int, int] = (0, 1)) -> Loade
     _merge_expert_shards(path, model_state, trainer_state, meta, expert_shard)
     step = manifest.get("step")
     if not isinstance(step, int):
-        step = _step_of(path)
-        if step is None:
+        order = _step_of(path)
+        if order is None:
             raise CheckpointError(f"checkpoint {path.name}: no step in {MANIFEST_FILE} nor in the dir name")
+        step = order[0]
     return LoadedCheckpoint(
         path=path,
         step=step,
@@ -377,6 +389,7 @@ class CheckpointManager:
         trainer_state: dict,
         meta: dict,
         stage_end: bool = False,
+        grown: bool = False,
         extra_files: dict[str, str] | None = None,
         write_shards: Callable[[Path], list[str]] | None = None,
     ) -> Path:
@@ -395,7 +408,7 @@ class CheckpointManager:
 
         self.dir.mkdir(parents=True, exist_ok=True)
         self._sweep_leftovers()
-        name = step_dir_name(step)
+        name = step_dir_name(step, grown)
         tmp = self.dir / f".tmp-{name}-{os.getpid()}"
         tmp.mkdir()
         try:
@@ -415,7 +428,7 @@ class CheckpointManager:
             for fname in [MODEL_FILE, TRAINER_FILE, META_FILE, *extra_files, *shard_files]:
                 fpath = tmp / fname
                 files[fname] = {"bytes": fpath.stat().st_size, "sha256": _sha256(fpath)}
-            manifest = {"format": MANIFEST_FORMAT, "step": step, "stage_end": bool(stage_end), "files": files}
+            manifest = {"format": MANIFEST_FORMAT, "step": step, "stage_end": bool(stage_end), "grown": bool(grown), "files": files}
             write_synced(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
             fsync_dir(tmp)
 
@@ -479,14 +492,15 @@ class CheckpointManager:
     # -- finding and loading --------------------------------------------------------------------
 
     def complete_checkpoints(self) -> list[Path]:
-        """Checkpoint dirs that have a manifest, newest (highest step) first; checksums unchecked."""
+        """Checkpoint dirs that have a manifest, newest (highest step; after growth before the
+        stage end at the same step) first; checksums unchecked."""
         if not self.dir.is_dir():
             return []
         found = []
         for p in self.dir.iterdir():
-            step = _step_of(p)
-            if step is not None and p.is_dir() and (p / MANIFEST_FILE).is_file():
-                found.append((step, p))
+            order = _step_of(p)
+            if order is not None and p.is_dir() and (p / MANIFEST_FILE).is_file():
+                found.append((order, p))
         return [p for _, p in sorted(found, key=lambda sp: sp[0], reverse=True)]
 
     def verify(self, path: Path) -> list[str]:

@@ -187,8 +187,11 @@ def export_adapters(checkpoint: Path, out_dir: Path, with_base: bool = False, lo
 
     loaded = resolve(Path(checkpoint), log)
     cfg = ModelConfig.from_dict(loaded.meta["model_config"])
-    model = GrowLM(cfg)
-    model.load_state_dict(loaded.model_state, strict=True)
+    # Built on meta and given the checkpoint's tensors: no random init, no quantizing of random
+    # experts only to overwrite them (hours at 120B).
+    with torch.device("meta"):
+        model = GrowLM(cfg)
+    model.load_state_dict(loaded.model_state, strict=True, assign=True)
     summary = export_model_adapters(model, out_dir, with_base)
     summary["checkpoint"] = str(loaded.path)
     own_tokenizer = loaded.path / CHECKPOINT_TOKENIZER

@@ -19,7 +19,7 @@ def _checkpoint_dir(path: Path) -> tuple[Path, list[str], list[dict]]:
         if any(p.startswith(("meta.json", "manifest.json")) for p in problems):
             raise CheckpointError(f"{path} is damaged and its meta data cannot be trusted: " + "; ".join(problems))
         return path, problems, []
-    if re.fullmatch(r"step-\d{8,}", path.name) and path.is_dir():
+    if re.fullmatch(r"step-\d{8,}(-grown)?", path.name) and path.is_dir():
         raise CheckpointError(f"{path}: not a complete checkpoint (no manifest.json: its save was interrupted); inspect the run directory {path.parent.parent}")
     if path.name == "checkpoints":
         path = path.parent

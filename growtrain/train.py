@@ -342,7 +342,7 @@ class Run:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def save(self, pos: Position, stage_end: bool) -> None:
+    def save(self, pos: Position, stage_end: bool, grown: bool = False) -> None:
         if self._bad_update is not None and self._bad_update.item() > 0:  # the last update's check, read now
             self._raise_bad_update(pos.global_step, self.recipe.stages[pos.stage])
         meta = {
@@ -402,11 +402,12 @@ class Run:
             trainer_state=trainer_state,
             meta=meta,
             stage_end=stage_end,
+            grown=grown,
             extra_files={"recipe.yaml": dump_yaml(self.recipe)} | ({CHECKPOINT_TOKENIZER: self.tokenizer_text} if self.tokenizer_text else {}),
             write_shards=write_shards,
         )
         self.dist.barrier()
-        self.console.write(f"checkpoint {path.name}{' (stage end)' if stage_end else ''}")
+        self.console.write(f"checkpoint {path.name}{' (stage end)' if stage_end else ' (after growth)' if grown else ''}")
 
     def _write_shards(self, tmp: Path | None, shard: dict) -> list[str]:
         """Every rank writes its expert shard into rank 0's temporary checkpoint dir."""
@@ -518,6 +519,9 @@ class Run:
                 if not pos.grown:
                     self._grow(pos, stage, shapes[pos.stage], probe)
                     pos.grown = True
+                    if stage.grow and recipe.checkpoint.after_growth:
+                        # A crash early in the stage resumes here, not before the growth.
+                        self.save(pos, stage_end=False, grown=True)
                 self._train_stage(pos, stage, corpus)
                 pos = Position(pos.stage + 1, 0, pos.global_step, pos.tokens, pos.bad_steps)
             exit_code = 0

@@ -358,3 +358,18 @@ def test_a_sigkill_mid_save_leaves_the_previous_checkpoint_loadable_and_the_next
     _save(mgr, 20)
     assert not list(ckpts.glob(".tmp-*"))
     assert mgr.load_latest().step == 20
+
+
+def test_a_checkpoint_saved_after_growth_is_newer_than_the_stage_end_at_the_same_step(tmp_path, log):
+    mgr = CheckpointManager(tmp_path / "run", CheckpointConfig(every_steps=10, keep_last=2), log=log)
+    _save(mgr, 10)
+    _save(mgr, 20, stage_end=True)
+    grown = _save(mgr, 20, grown=True)
+    assert grown.name == "step-00000020-grown"
+    assert [p.name for p in mgr.complete_checkpoints()] == ["step-00000020-grown", "step-00000020"]
+    assert mgr.load_latest().path == grown and mgr.load_latest().step == 20
+    assert json.loads((grown / "manifest.json").read_text())["grown"] is True
+    # Later checkpoints push it out like any other; the stage end stays.
+    _save(mgr, 30)
+    _save(mgr, 40)
+    assert [p.name for p in mgr.complete_checkpoints()] == ["step-00000040", "step-00000030", "step-00000020"]

@@ -51,3 +51,33 @@ def test_a_killed_nf4_stage_resumes_to_the_uninterrupted_losses_and_weights(refe
 
     final = assert_same_run(out, reference, STEPS)
     assert any(k.endswith("experts.w_gate_codes") for k in final) and any(k.endswith("experts.w_down_nested_absmax") for k in final)
+
+
+def test_resume_generate_and_export_build_on_meta_and_never_quantize(reference_run, tmp_path, monkeypatch):
+    """At 120B, quantizing random experts at start-up before loading the checkpoint would take
+    hours: resume, generate and export-adapters load the NF4 codes as saved (zero quantize calls)."""
+    import signal
+
+    import bitsandbytes.functional as bnbf
+
+    from conftest import cli_env, run_cli
+    from growtrain.export import export_adapters
+    from growtrain.generate import generate_from_checkpoint
+    from growtrain.recipe import load_recipe
+    from growtrain.train import run
+
+    recipe, reference = reference_run
+    out = tmp_path / "run"
+    killed = run_cli("run", recipe, "--out", out, env=cli_env(GROWTRAIN_FAULT="step_mid:26"))
+    assert killed.returncode == -signal.SIGKILL
+    calls = []
+    original = bnbf.quantize_4bit
+    monkeypatch.setattr(bnbf, "quantize_4bit", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    result = run(load_recipe(recipe), out, "auto", log=lambda *_: None)
+    assert result.global_step == STEPS
+    assert calls == [], f"the resume quantized {len(calls)} matrices"
+    generate_from_checkpoint(out, "The ", 5, 0.0, 1, 0)
+    export_adapters(out, tmp_path / "adapters", with_base=True)
+    assert calls == [], f"generate / export-adapters quantized {len(calls)} matrices"
+    assert_same_run(out, reference, STEPS)

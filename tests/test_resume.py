@@ -116,3 +116,14 @@ def test_resume_refuses_a_run_directory_of_a_different_recipe(reference_run, tmp
     assert "optimizer.lr" in result.stderr and "Traceback" not in result.stderr
     never = run_cli("run", other, "--out", out, "--resume", "never")
     assert never.returncode == 2 and "already holds checkpoints" in never.stderr
+
+
+def test_a_kill_early_in_a_grown_stage_resumes_after_the_growth_without_repeating_it(reference_run, tmp_path):
+    recipe, reference = reference_run
+    out = tmp_path / "run"
+    resumed = kill_and_resume(recipe, out, "step_mid:9")  # the first step of the MoE stage
+    assert "step-00000008-grown" in resumed.stdout, resumed.stdout[-2000:]
+    assert "growth [moe]" not in resumed.stdout, "the growth was done and saved before the kill: it must not run again"
+    assert_same_run(out, reference, 20)
+    grown = sorted(p.name for p in (reference / "checkpoints").glob("step-*-grown"))
+    assert grown == [], "retention drops a grown checkpoint once newer ones exist (stage ends stay)"
