@@ -185,8 +185,17 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_checkpoint(path: Path) -> list[str]:
-    """Problems with the checkpoint dir `path`, as 'file: what is wrong'; empty if it is intact."""
+def file_entry(path: Path) -> dict:
+    """A file's manifest entry: its size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def verify_checkpoint(path: Path, part: tuple[int, int] = (0, 1)) -> list[str]:
+    """Problems with the checkpoint dir `path`, as 'file: what is wrong'; empty if it is intact.
+
+    part = (k, n): every file's presence and size are checked, the sha256 only of the files whose
+    index in the manifest's sorted names is k mod n: n ranks, each with its own k, hash every file
+    once between them, in parallel (combine their problems for the verdict)."""
     path = Path(path)
     try:
         manifest = _read_manifest(path)
@@ -197,6 +206,8 @@ def verify_checkpoint(path: Path) -> list[str]:
     for required in (MODEL_FILE, TRAINER_FILE, META_FILE):
         if required not in files:
             problems.append(f"{required}: not listed in {MANIFEST_FILE}")
+    k, n = part
+    hashed = {name for i, name in enumerate(sorted(files, key=str)) if i % n == k}
     for name, entry in files.items():
         if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", ".."):
             problems.append(f"{name!r}: not a plain file name in {MANIFEST_FILE}")
@@ -217,6 +228,8 @@ def verify_checkpoint(path: Path) -> list[str]:
             continue
         if size != entry["bytes"]:
             problems.append(f"{name}: size mismatch ({size} bytes, manifest says {entry['bytes']})")
+            continue
+        if name not in hashed:
             continue
         try:
             digest = _sha256(fpath)
@@ -284,14 +297,18 @@ def _merge_expert_shards(path: Path, model_state: dict, trainer_state: dict, met
     trainer_state["optimizer"] = optimizer
 
 
-def load_checkpoint(path: Path, expert_shard: tuple[int, int] = (0, 1)) -> LoadedCheckpoint:
+def load_checkpoint(
+    path: Path, expert_shard: tuple[int, int] = (0, 1), combine: Callable[[list[str]], list[str]] | None = None
+) -> LoadedCheckpoint:
     """Verify, then load the checkpoint dir `path`; CheckpointError listing the problems if damaged.
     expert_shard = (rank, size): the routed experts of that expert-parallel rank (the default,
-    (0, 1), is the whole model), whatever EP size the checkpoint was saved at."""
+    (0, 1), is the whole model), whatever EP size the checkpoint was saved at. combine: under
+    expert parallelism, every rank's problems for all of them (each rank hashes its share of the
+    files, verify_checkpoint's part = expert_shard); without, this rank hashes every file."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
-    problems = verify_checkpoint(path)
+    problems = combine(verify_checkpoint(path, expert_shard)) if combine is not None else verify_checkpoint(path)
     if problems:
         raise CheckpointError(f"checkpoint {path.name} is damaged ({'; '.join(problems)})")
     manifest = _read_manifest(path)
@@ -342,20 +359,25 @@ def read_meta(path: Path) -> dict[str, Any]:
     return _read_meta_file(path)
 
 
-def resolve(path_or_dir: Path, log: Callable[[str], None] = print, expert_shard: tuple[int, int] = (0, 1)) -> LoadedCheckpoint:
+def resolve(
+    path_or_dir: Path,
+    log: Callable[[str], None] = print,
+    expert_shard: tuple[int, int] = (0, 1),
+    combine: Callable[[list[str]], list[str]] | None = None,
+) -> LoadedCheckpoint:
     """Load a checkpoint dir, or the newest intact checkpoint of a run dir."""
     p = Path(path_or_dir)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if (p / MANIFEST_FILE).is_file() or _step_of(p) is not None:
-        return load_checkpoint(p, expert_shard)
+        return load_checkpoint(p, expert_shard, combine)
     if (p / "checkpoints").is_dir():
-        loaded = CheckpointManager(p, CheckpointConfig(), log=log, expert_shard=expert_shard).load_latest()
+        loaded = CheckpointManager(p, CheckpointConfig(), log=log, expert_shard=expert_shard, combine=combine).load_latest()
         if loaded is None:
             raise CheckpointError(f"{p}: run directory has no complete checkpoint under checkpoints/")
         return loaded
     if p.name == "checkpoints" and p.is_dir():
-        return resolve(p.parent, log, expert_shard)
+        return resolve(p.parent, log, expert_shard, combine)
     raise CheckpointError(
         f"{p}: neither a checkpoint directory (with {MANIFEST_FILE}) nor a run directory (with checkpoints/)"
     )
@@ -368,9 +390,15 @@ class CheckpointManager:
     """Saves, retains and loads the checkpoints of one run directory."""
 
     def __init__(
-        self, run_dir: Path, cfg: CheckpointConfig, log: Callable[[str], None] = print, expert_shard: tuple[int, int] = (0, 1)
+        self,
+        run_dir: Path,
+        cfg: CheckpointConfig,
+        log: Callable[[str], None] = print,
+        expert_shard: tuple[int, int] = (0, 1),
+        combine: Callable[[list[str]], list[str]] | None = None,
     ):
         self.expert_shard = expert_shard  # (rank, size): which experts loads return (load_checkpoint)
+        self.combine = combine  # every rank's verification problems (load_checkpoint)
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.log = log
@@ -391,11 +419,11 @@ class CheckpointManager:
         stage_end: bool = False,
         grown: bool = False,
         extra_files: dict[str, str] | None = None,
-        write_shards: Callable[[Path], list[str]] | None = None,
+        write_shards: Callable[[Path], dict[str, dict]] | None = None,
     ) -> Path:
         """write_shards: under expert parallelism, called with the temporary dir once this rank's
-        files are written; it has every rank write its expert shard there and returns their names,
-        which the manifest then covers like any other file."""
+        files are written; it has every rank write its expert shard there and hash it (in
+        parallel), and returns their manifest entries, which this rank merges (checking sizes)."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         extra_files = dict(extra_files or {})
@@ -422,12 +450,13 @@ class CheckpointManager:
             write_synced(tmp / META_FILE, meta_text.encode())
             for fname, text in extra_files.items():
                 write_synced(tmp / fname, text.encode())
-            shard_files = write_shards(tmp) if write_shards is not None else []
+            shard_entries = write_shards(tmp) if write_shards is not None else {}
 
-            files = {}
-            for fname in [MODEL_FILE, TRAINER_FILE, META_FILE, *extra_files, *shard_files]:
-                fpath = tmp / fname
-                files[fname] = {"bytes": fpath.stat().st_size, "sha256": _sha256(fpath)}
+            files = {fname: file_entry(tmp / fname) for fname in [MODEL_FILE, TRAINER_FILE, META_FILE, *extra_files]}
+            for fname, entry in shard_entries.items():
+                if (tmp / fname).stat().st_size != entry["bytes"]:
+                    raise OSError(errno.EIO, f"expert shard {fname} is {(tmp / fname).stat().st_size} bytes, its writer hashed {entry['bytes']}")
+                files[fname] = entry
             manifest = {"format": MANIFEST_FORMAT, "step": step, "stage_end": bool(stage_end), "grown": bool(grown), "files": files}
             write_synced(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
             fsync_dir(tmp)
@@ -507,7 +536,7 @@ class CheckpointManager:
         return verify_checkpoint(path)
 
     def load(self, path: Path) -> LoadedCheckpoint:
-        return load_checkpoint(path, self.expert_shard)
+        return load_checkpoint(path, self.expert_shard, self.combine)
 
     def latest_hint(self) -> str | None:
         try:
@@ -537,7 +566,7 @@ class CheckpointManager:
         damaged: list[str] = []
         for i, path in enumerate(candidates):
             try:
-                return load_checkpoint(path, self.expert_shard)
+                return load_checkpoint(path, self.expert_shard, self.combine)
             except CheckpointError as e:
                 reason = str(e)
                 damaged.append(reason)
@@ -548,4 +577,4 @@ class CheckpointManager:
         )
 
     def resolve(self, path_or_dir: Path) -> LoadedCheckpoint:
-        return resolve(path_or_dir, self.log, self.expert_shard)
+        return resolve(path_or_dir, self.log, self.expert_shard, self.combine)

@@ -140,6 +140,15 @@ class Dist:
         dist.all_reduce(t)
         return t
 
+    def all_problems(self, mine: list[str]) -> list[str]:
+        """Every rank's problem messages (a checkpoint's verification, each rank hashing its share
+        of the files), in rank order, so that all ranks reach the same verdict."""
+        if not self.active:
+            return mine
+        every: list = [None] * self.size
+        dist.all_gather_object(every, list(mine))  # strings only: NCCL-safe
+        return list(dict.fromkeys(p for problems in every for p in problems))  # sizes are checked by all
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier()

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, LoadedCheckpoint, shard_file_name, write_shard_file
+from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, LoadedCheckpoint, file_entry, shard_file_name, write_shard_file
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
 from growtrain.distributed import Dist, is_peer_failure, world_size_problems
 from growtrain.expert_shards import is_expert_tensor
@@ -239,7 +239,10 @@ class Run:
         self.run_dir = Path(run_dir)
         self.log = log if self.dist.is_main else (lambda *a, **k: None)
         self.plain = to_plain(recipe)
-        self.ckpt = CheckpointManager(self.run_dir, recipe.checkpoint, self.log, expert_shard=(self.dist.rank, self.dist.size))
+        self.ckpt = CheckpointManager(
+            self.run_dir, recipe.checkpoint, self.log, expert_shard=(self.dist.rank, self.dist.size),
+            combine=self.dist.all_problems if self.dist.active else None,
+        )
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl")
         tracking = recipe.tracking if self.dist.is_main else replace(recipe.tracking, wandb=replace(recipe.tracking.wandb, mode="disabled"))
         self.tracker = Tracker(tracking, self.run_dir, recipe.name, self.log)
@@ -409,15 +412,20 @@ class Run:
         self.dist.barrier()
         self.console.write(f"checkpoint {path.name}{' (stage end)' if stage_end else ' (after growth)' if grown else ''}")
 
-    def _write_shards(self, tmp: Path | None, shard: dict) -> list[str]:
-        """Every rank writes its expert shard into rank 0's temporary checkpoint dir."""
+    def _write_shards(self, tmp: Path | None, shard: dict) -> dict[str, dict]:
+        """Every rank writes its expert shard into rank 0's temporary checkpoint dir and hashes it,
+        all at once (rank 0 would otherwise hash every shard after the others: ~117 GB at the
+        120B recipe's last stage); rank 0 gets every shard's manifest entry."""
         import torch.distributed as dist
 
         where = [str(tmp) if tmp is not None else None]
         dist.broadcast_object_list(where, src=0)
-        write_shard_file(Path(where[0]) / shard_file_name(self.dist.rank, self.dist.size), shard)
-        self.dist.barrier()
-        return [shard_file_name(r, self.dist.size) for r in range(self.dist.size)]
+        name = shard_file_name(self.dist.rank, self.dist.size)
+        path = Path(where[0]) / name
+        write_shard_file(path, shard)
+        entries: list = [None] * self.dist.size
+        dist.all_gather_object(entries, (name, file_entry(path)))  # names and digests, no tensors
+        return dict(entries)
 
     def num_parameters(self) -> int:
         """The whole model's count (a rank holds 1/W of the experts)."""

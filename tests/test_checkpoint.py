@@ -19,6 +19,7 @@ from growtrain.checkpoint import (
     LoadedCheckpoint,
     read_meta,
     resolve,
+    verify_checkpoint,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -373,3 +374,24 @@ def test_a_checkpoint_saved_after_growth_is_newer_than_the_stage_end_at_the_same
     _save(mgr, 30)
     _save(mgr, 40)
     assert [p.name for p in mgr.complete_checkpoints()] == ["step-00000040", "step-00000030", "step-00000020"]
+
+
+def test_ranks_hash_disjoint_shares_of_the_files_that_together_cover_every_file(mgr, monkeypatch):
+    from growtrain import checkpoint
+
+    path = _save(mgr, 10, extra_files={"recipe.yaml": "a: 1\n", "notes.txt": "x"})
+    hashed: list[str] = []
+    original = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p.name) or original(p))
+    shares = []
+    for k in range(3):
+        hashed.clear()
+        assert verify_checkpoint(path, (k, 3)) == []
+        shares.append(set(hashed))
+    files = set(json.loads((path / "manifest.json").read_text())["files"])
+    assert set().union(*shares) == files and sum(len(s) for s in shares) == len(files)
+    # A changed byte is found by the share that holds the file, and only there.
+    target = path / "recipe.yaml"
+    target.write_text("a: 2\n")
+    found = [verify_checkpoint(path, (k, 3)) for k in range(3)]
+    assert sum(bool(f) for f in found) == 1 and any("recipe.yaml: sha256 mismatch" in p for f in found for p in f)

@@ -141,14 +141,14 @@ def test_slices_saved_at_one_ep_size_assemble_at_another():
 
 def _save_sharded(tmp_path, shard_of) -> Path:
     """A checkpoint whose experts live in 4 shard files, as 4 ranks would write it."""
-    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, shard_file_name, write_shard_file
+    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, file_entry, shard_file_name, write_shard_file
 
     names = [shard_file_name(r, 4) for r in range(4)]
 
-    def write(tmp):
+    def write(tmp):  # each rank writes and hashes its own file
         for r in range(4):
             write_shard_file(tmp / names[r], shard_of(r))
-        return names
+        return {n: file_entry(tmp / n) for n in names}
 
     manager = CheckpointManager(tmp_path, CheckpointConfig(), log=lambda *_: None)
     return manager.save(
@@ -299,6 +299,32 @@ def test_saved_at_ep4_resumes_at_ep2_and_in_one_process(ep_runs, tmp_path):
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         assert "resumed from step-00000015" in r.stdout
         assert_close_losses(losses(run), reference, f"EP=4 → {how}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damaged", ["experts-000-of-002.pt", "experts-001-of-002.pt", "model.safetensors"])
+def test_a_shard_changed_on_disk_is_found_by_whichever_rank_hashes_it_and_all_ranks_fall_back(ep_runs, tmp_path, damaged):
+    """Each rank hashes its share of the checkpoint's files (not every rank every file); a bad
+    byte in any of them is still found, and every rank makes the same fallback."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(ep_runs[2], run)
+    shutil.rmtree(run / "checkpoints/step-00000020")
+    newest = run / "checkpoints/step-00000015"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert {"experts-000-of-002.pt", "experts-001-of-002.pt"} <= set(manifest["files"])
+    target = newest / damaged
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size: only the sha256 can tell
+    target.write_bytes(bytes(raw))
+    r = growtrain_torchrun(2, "run", ep_runs["recipe"], "--out", run)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert f"{damaged}: sha256 mismatch" in r.stdout + r.stderr
+    resumed = [line for line in r.stdout.splitlines() if "resumed from" in line]
+    assert resumed and "resumed from step-00000012" in resumed[0], resumed
+    assert losses(run) == losses(ep_runs[2])
 
 
 @pytest.mark.slow
