@@ -360,3 +360,26 @@ def test_each_stage_rewarms_from_its_own_first_step():
         assert s.lr(w - 1, base) == pytest.approx(peak), s.name
         assert s.lr(s.steps - 1, base) == pytest.approx(peak * s.schedule.min_lr_ratio), s.name
     assert recipe.stages[-1].lr(4, base) == pytest.approx(1.5e-3)  # the NF4 stage's own peak
+
+
+def test_the_120b_rehearsal_keeps_the_120b_recipes_structure_at_a_tiny_width():
+    """Everything but widths, steps and batch shapes: block counts, heads, experts, top-k, every
+    operator with every argument, NF4 and LoRA settings, per stage."""
+    import dataclasses
+
+    from growtrain.stages import plan_stage_models
+
+    big, small = load_recipe(REPO / "recipes" / "120b.yaml"), load_recipe(REPO / "recipes" / "120b-rehearsal.yaml")
+    assert [s.name for s in small.stages] == [s.name for s in big.stages]
+    assert [[(g.op, g.args) for g in s.grow] for s in small.stages] == [[(g.op, g.args) for g in s.grow] for s in big.stages]
+    widths = {"vocab_size", "d_model", "head_dim", "ffn_hidden"}
+
+    def structure(cfg):
+        moe = dataclasses.replace(cfg.moe, expert_hidden=0) if cfg.moe is not None else None
+        return {k: v for k, v in dataclasses.asdict(dataclasses.replace(cfg, moe=moe)).items() if k not in widths}
+
+    shapes_big = plan_stage_models(big.model, [s.grow for s in big.stages])
+    shapes_small = plan_stage_models(small.model, [s.grow for s in small.stages])
+    for a, b in zip(shapes_big, shapes_small):
+        assert structure(a) == structure(b)
+    assert shapes_small[-1].moe.num_experts == 256 and shapes_small[-1].n_layers == 36
