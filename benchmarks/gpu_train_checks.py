@@ -101,7 +101,7 @@ def part4(out: Path, device: str) -> dict:
         return {"ok": True, "applicable": False, "why": "needs CUDA memory statistics"}
     import torch
 
-    from growtrain.plan import PRESETS
+    from growtrain.planning import PRESETS
 
     name = torch.cuda.get_device_name().lower()
     preset = next((k for k in PRESETS if k.split("-")[0] in name), "h100-80gb")

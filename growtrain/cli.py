@@ -218,8 +218,8 @@ def _user_error_code(exc: Exception) -> int | None:
     export = sys.modules.get("growtrain.export")  # loaded by export-adapters only
     if export is not None and isinstance(exc, export.ExportError):
         return 2
-    plan = sys.modules.get("growtrain.plan")  # loaded by `plan` only
-    if plan is not None and isinstance(exc, plan.PlanError):
+    planning = sys.modules.get("growtrain.planning")  # loaded by `plan`
+    if planning is not None and isinstance(exc, planning.PlanError):
         return 2
     if isinstance(exc, GrowthCheckFailed):
         return 3
@@ -338,7 +338,7 @@ def cmd_export_adapters(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from growtrain.plan import format_plan, get_hardware, plan_recipe
+    from growtrain.planning import format_plan, get_hardware, plan_recipe
     from growtrain.recipe import load_recipe
 
     for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes)):
@@ -350,8 +350,8 @@ def cmd_plan(args) -> int:
         nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps, capacity_gb=args.capacity_gb,
     )
     result = plan_recipe(load_recipe(args.recipe, args.overrides), hw)
-    print(json.dumps(result) if args.json else format_plan(result))
-    return 0 if all(s["fits"] for s in result["stages"]) else 1
+    print(json.dumps(result.to_dict()) if args.json else format_plan(result))
+    return 0 if result.fits else 1
 
 
 def cmd_prepare_data(args) -> int:

@@ -47,7 +47,7 @@ def _stored_weights(meta: dict) -> tuple[int, dict[tuple[int, int], tuple[int, i
     index, record index). Records are left out where the checkpoint's recipe no longer plans
     (written by another growtrain version)."""
     from growtrain.model.config import ModelConfig
-    from growtrain.plan import count_model
+    from growtrain.planning import count_model
     from growtrain.recipe import RecipeError, recipe_from_dict, without_moved_keys
     from growtrain.stages import GrowthPlanError, get_operator
 

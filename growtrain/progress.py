@@ -2,10 +2,10 @@
 its stage's cost (a grown stage's step costs more than a seed stage's), and a slow stage still
 prints a line every `HEARTBEAT_S` seconds whatever `train.log_every` says.
 
-The cost of a stage's step is the planner's FLOPs per token of that stage's model times the
-tokens of one step (growtrain/plan.py: forward + backward, + the reversible recompute). The clock
-measures seconds per unit of cost on the steps that ran, and the ETA is that rate times the cost
-still ahead. A measured rate per FLOP carries from one stage to the next far better than a
+The cost of a stage's step is the planner's FLOPs per token of that stage's model times the tokens
+of one step (growtrain/planning/roofline.py: forward + backward, + the reversible recompute). The
+clock measures seconds per unit of cost on the steps that ran, and the ETA is that rate times the
+cost still ahead. A measured rate per FLOP carries from one stage to the next far better than a
 measured rate per step: the 4-minutes-with-50-steps-left ETA came from applying a seed stage's
 seconds per step to the grown stages after it.
 """
@@ -23,7 +23,7 @@ HEARTBEAT_S = 30.0
 def stage_step_costs(shapes, stages) -> list[float]:
     """FLOPs of one optimizer step of each stage: the planner's FLOPs per token of that stage's
     model (meta device, no memory) times batch_size x seq_len x grad_accum."""
-    from growtrain.plan import train_flops_per_token
+    from growtrain.planning import train_flops_per_token
 
     per_token: dict = {}
     costs = []

@@ -119,7 +119,7 @@ def gpu_peak_tflops(device: torch.device) -> float | None:
     """Dense bf16 peak of a GPU the planner has a preset for (by name), else None."""
     if device.type != "cuda":
         return None
-    from growtrain.plan import PRESETS
+    from growtrain.planning import PRESETS
 
     name = torch.cuda.get_device_name(device).lower()
     for key, hw in PRESETS.items():

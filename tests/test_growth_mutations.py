@@ -184,17 +184,22 @@ def split_child_values_off(monkeypatch):
     wrap_operator(monkeypatch, "split_experts", lambda g: _nudge(g, lambda n, p: n.endswith("experts.w_down")))
 
 
-def split_router_rows_noised(monkeypatch):
-    """split_experts: the duplicated router rows get noise of 1e-7 (they must be exact copies)."""
+def _draw_into(suffix: str, seed: int, change):
+    """A growth change: every parameter named *suffix gets change(p, draw), draw ~ N(0, 1) seeded."""
 
-    def change(growth):
+    def apply(growth):
         with torch.no_grad():
             for name, p in growth.model.named_parameters():
-                if name.endswith("router.weight"):
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p) * 1e-7)
+                if name.endswith(suffix):
+                    change(p, torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)).to(p))
         return growth
 
-    wrap_operator(monkeypatch, "split_experts", change)
+    return apply
+
+
+def split_router_rows_noised(monkeypatch):
+    """split_experts: the duplicated router rows get noise of 1e-7 (they must be exact copies)."""
+    wrap_operator(monkeypatch, "split_experts", _draw_into("router.weight", 0, lambda p, d: p.add_(d * 1e-7)))
 
 
 def clone_wrong_parent(monkeypatch):
@@ -241,15 +246,7 @@ def nf4_wrong_block_size(monkeypatch):
 def quantize_lora_b_nonzero(monkeypatch):
     """quantize_experts: the LoRA B factors start small but not zero, so base + LoRA is not the
     quantized weight (the function bars of an approximate operator do not see 1e-3)."""
-
-    def change(growth):
-        with torch.no_grad():
-            for name, p in growth.model.named_parameters():
-                if name.endswith("_lora_B"):
-                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 1e-3)
-        return growth
-
-    wrap_operator(monkeypatch, "quantize_experts", change)
+    wrap_operator(monkeypatch, "quantize_experts", _draw_into("_lora_B", 1, lambda p, d: p.copy_(d * 1e-3)))
 
 
 # mutation -> (the operator that must be named, the check expected to catch it). upcycle_moe's step

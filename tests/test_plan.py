@@ -15,7 +15,7 @@ from growtrain.memory import SavedTensorMeter
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import ExpertLoRAConfig
 from growtrain.optim_registry import build_optimizer
-from growtrain.plan import (
+from growtrain.planning import (
     PRESETS,
     ROLES,
     PlanError,
@@ -180,31 +180,31 @@ def test_the_120b_recipe_validates(capsys):
 
 
 def test_every_120b_stage_fits_8_h100_80gb_with_10_percent_headroom(big_plan):
-    assert big_plan["hardware"]["gpus"] == 8
-    for stage in big_plan["stages"]:
-        assert stage["micro_batch"] >= 1
-        assert stage["per_gpu_bytes"] <= 0.9 * stage["capacity_bytes"], stage["name"]
-        assert stage["headroom"] >= 0.10 and stage["fits"]
-        assert stage["max_micro_batch"] >= stage["micro_batch"]
+    assert big_plan.hardware.gpus == 8
+    for stage in big_plan.stages:
+        assert stage.micro_batch >= 1
+        assert stage.per_gpu_bytes <= 0.9 * stage.capacity_bytes, stage.name
+        assert stage.headroom >= 0.10 and stage.fits
+        assert stage.max_micro_batch >= stage.micro_batch
 
 
 def test_the_120b_recipe_has_the_issues_shape(big_plan):
     recipe = load_recipe(BIG)
-    first, last = big_plan["stages"][0], big_plan["stages"][-1]
-    assert 1e9 <= first["params_total"] <= 2e9 and first["experts"] == 0
-    assert 115e9 <= last["params_total"] <= 125e9
-    assert 5e9 <= last["params_active"] <= 7e9
-    assert last["experts"] >= 200 and 8 <= last["top_k"] <= 16
-    assert last["expert_format"] == "nf4" and last["seq_len"] == 8192 and last["reversible"]
+    first, last = big_plan.stages[0], big_plan.stages[-1]
+    assert 1e9 <= first.params_total <= 2e9 and first.experts == 0
+    assert 115e9 <= last.params_total <= 125e9
+    assert 5e9 <= last.params_active <= 7e9
+    assert last.experts >= 200 and 8 <= last.top_k <= 16
+    assert last.expert_format == "nf4" and last.seq_len == 8192 and last.reversible
     assert recipe.stages[-1].seq_len == 8192
     quantize = [g for s in recipe.stages for g in s.grow if g.op == "quantize_experts"]
     assert quantize and 8 <= quantize[0].args.r <= 32
-    gpus = big_plan["hardware"]["gpus"]
-    for row, stage in zip(big_plan["stages"], recipe.stages):
+    gpus = big_plan.hardware.gpus
+    for row, stage in zip(big_plan.stages, recipe.stages):
         # batch_size is the trainer's: sequences of a micro-batch over all GPUs.
-        assert row["tokens"] == stage.batch_size * stage.seq_len * stage.grad_accum * stage.steps, stage.name
-        assert row["micro_batch"] * gpus == stage.batch_size, stage.name
-    assert big_plan["stages"][-1]["tokens_cumulative"] == sum(s.batch_size * s.seq_len * s.grad_accum * s.steps for s in recipe.stages)
+        assert row.tokens == stage.batch_size * stage.seq_len * stage.grad_accum * stage.steps, stage.name
+        assert row.micro_batch * gpus == stage.batch_size, stage.name
+    assert big_plan.stages[-1].tokens_cumulative == sum(s.batch_size * s.seq_len * s.grad_accum * s.steps for s in recipe.stages)
 
 
 def test_the_planner_reads_batch_size_as_the_trainer_does_over_all_gpus():
@@ -213,10 +213,10 @@ def test_the_planner_reads_batch_size_as_the_trainer_does_over_all_gpus():
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml")
     on8 = plan_recipe(recipe, get_hardware("h100-80gb"))
     on4 = plan_recipe(recipe, get_hardware("h100-80gb", gpus_per_node=4))
-    for a, b, stage in zip(on8["stages"], on4["stages"], recipe.stages):
+    for a, b, stage in zip(on8.stages, on4.stages, recipe.stages):
         want = stage.batch_size * stage.seq_len * stage.grad_accum
-        assert a["tokens_per_step"] == b["tokens_per_step"] == want, stage.name
-        assert (a["micro_batch"], b["micro_batch"]) == (stage.batch_size // 8, stage.batch_size // 4)
+        assert a.roofline.tokens_per_step == b.roofline.tokens_per_step == want, stage.name
+        assert (a.micro_batch, b.micro_batch) == (stage.batch_size // 8, stage.batch_size // 4)
     with pytest.raises(PlanError, match="batch_size 16 does not divide over 3 GPUs"):
         plan_recipe(recipe, get_hardware("h100-80gb", gpus_per_node=3))
 
@@ -231,29 +231,65 @@ def test_validate_with_a_world_size_checks_what_a_launch_over_it_needs():
 
 
 def test_the_af_search_returns_a_best_split_no_worse_than_any_other(big_plan):
-    af = big_plan["af"]
-    assert af["applicable"] and af["stage"] == big_plan["stages"][-1]["name"]
-    splits = af["splits"]
-    assert [s["attention_gpus"] for s in splits] == list(range(1, 8))
-    assert all(s["attention_gpus"] + s["expert_gpus"] == 8 for s in splits)
-    candidates = [s for s in splits if s["fits"]]
-    assert af["best"] in candidates
-    assert all(af["best"]["step_time_s"] <= s["step_time_s"] for s in candidates)
+    af = big_plan.af
+    assert af.applicable and af.stage == big_plan.stages[-1].name
+    splits = af.splits
+    assert [s.attention_gpus for s in splits] == list(range(1, 8))
+    assert all(s.attention_gpus + s.expert_gpus == 8 for s in splits)
+    candidates = [s for s in splits if s.fits]
+    assert af.best in candidates
+    assert all(af.best.step_time_s <= s.step_time_s for s in candidates)
     for s in splits:
-        assert s["step_time_s"] == max(s["attention_s"], s["experts_s"], s["transfer_s"])
+        assert s.step_time_s == max(s.attention_s, s.experts_s, s.transfer_s)
     # The speedup is against the last stage's own co-located row of the stage table (computed by
     # the roofline, not by the AF search), and no fitting split beats the best one's.
-    colocated = big_plan["stages"][-1]["step_time_s"]
-    assert af["speedup_vs_colocated"] * af["best"]["step_time_s"] == pytest.approx(colocated)
-    assert all(af["speedup_vs_colocated"] >= colocated / s["step_time_s"] * (1 - 1e-12) for s in candidates)
+    colocated = big_plan.stages[-1].roofline.step_time_s
+    assert af.speedup_vs_colocated * af.best.step_time_s == pytest.approx(colocated)
+    assert all(af.speedup_vs_colocated >= colocated / s.step_time_s * (1 - 1e-12) for s in candidates)
 
 
 def test_multi_node_presets_search_every_split_of_all_their_gpus():
     plan = plan_recipe(load_recipe(TINY), get_hardware("h100-80gb", nodes=2))
-    assert plan["hardware"]["gpus"] == 16
-    assert len(plan["af"]["splits"]) == 15
-    best = plan["af"]["best"]["step_time_s"]
-    assert all(best <= s["step_time_s"] for s in plan["af"]["splits"] if s["fits"])
+    assert plan.hardware.gpus == 16
+    assert len(plan.af.splits) == 15
+    best = plan.af.best.step_time_s
+    assert all(best <= s.step_time_s for s in plan.af.splits if s.fits)
+
+
+# The JSON that `growtrain plan --json` prints, in the order it has always printed it.
+PLAN_KEYS = ["recipe", "hardware", "layout", "headroom_target", "stages", "af"]
+STAGE_KEYS = [
+    "name", "params_total", "params_active", "params_by_role", "params_trainable", "experts", "top_k", "expert_format",
+    "moe_layers", "n_layers", "d_model", "reversible", "precision", "batch_size", "micro_batch", "seq_len", "grad_accum",
+    "steps", "tokens", "tokens_cumulative", "memory", "per_gpu_bytes", "capacity_bytes", "headroom", "fits",
+    "max_micro_batch", "activations_detail", "step_time_s", "micro_batch_time_s", "dense_phase_s", "expert_phase_s",
+    "all_to_all_s", "optimizer_s", "grad_sync_s", "bound", "tokens_per_step", "tokens_per_s", "mfu",
+    "model_flops_per_token", "stage_time_s", "growth_peak_bytes",
+]
+MEMORY_KEYS = ["weights", "weights_total", "gradients", "optimizer", "activations", "workspace", "communication", "runtime_reserve", "total"]
+AF_KEYS = ["applicable", "stage", "gpus", "nodes", "tokens_per_step", "splits", "best", "best_fits", "colocated_step_time_s", "speedup_vs_colocated"]
+SPLIT_KEYS = ["attention_gpus", "expert_gpus", "attention_s", "experts_s", "transfer_s", "step_time_s", "attention_bytes_per_gpu", "expert_bytes_per_gpu", "fits"]
+
+
+def test_the_typed_plan_turns_into_the_json_keys_in_their_old_order(big_plan):
+    out = big_plan.to_dict()
+    assert list(out) == PLAN_KEYS
+    assert out["hardware"]["gpus"] == 8 and out["hardware"]["name"] == "h100-80gb"
+    for row, stage in zip(out["stages"], big_plan.stages):
+        assert list(row) == STAGE_KEYS
+        assert list(row["memory"]) == MEMORY_KEYS
+        assert row["per_gpu_bytes"] == row["memory"]["total"] == stage.memory.total_bytes
+        assert row["bound"] == {"dense": stage.roofline.dense_bound, "experts": stage.roofline.experts_bound}
+    assert list(out["af"]) == AF_KEYS
+    assert all(list(s) == SPLIT_KEYS for s in out["af"]["splits"])
+    assert out["af"]["best"] in out["af"]["splits"] and out["af"]["best_fits"] == out["af"]["best"]["fits"]
+    assert json.loads(json.dumps(out)) == out
+
+
+def test_a_single_gpu_plan_says_why_the_af_search_does_not_apply():
+    plan = plan_recipe(load_recipe(TINY), get_hardware("h100-80gb", gpus_per_node=1))
+    assert not plan.af.applicable
+    assert plan.af.to_dict() == {"applicable": False, "reason": "needs an MoE stage and at least 2 GPUs", "splits": []}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,373 @@
+"""Memory per GPU: the saved-activation model, op by op, the workspace allowance, weights,
+gradients, optimizer state and buffers under expert + data parallelism, and the growth peak.
+
+Activations: `activation_bytes` lists the tensors autograd saves for backward in GrowLM's forward
+(norms, attention, SwiGLU, router, dispatch, the expert backends, the head and cross-entropy),
+counting a storage once as `growtrain.memory.SavedTensorMeter` does; tests/test_plan.py checks it
+against the meter on small CPU models. Plain autograd holds every block's; the reversible backward
+holds the two fp32 streams, the routing ids and one block's recompute at a time. Non-saved
+transients are a rougher allowance, `workspace`.
+Sharding (DESIGN.md §12): routed experts contiguously over an expert-parallel group of every GPU;
+everything else data parallel, weights and gradients replicated, optimizer state sharded (ZeRO-1).
+
+Legend: B micro-batch (sequences), T sequence length, N = B·T tokens, D d_model, H query heads,
+Kv key/value heads, Hd head size, F dense FFN width, E routed experts, K top-k, Fe expert width,
+Fs shared-expert width, S = N·K token-slots, V vocabulary, r LoRA rank, G GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from growtrain.planning.counting import ModelCount, count_model
+from growtrain.planning.hardware import GIB
+
+# PyTorch DDP's default gradient bucket (bucket_cap_mb=25); two in flight while one reduces.
+GRAD_BUCKET_BYTES = 25 * 2**20
+# CUDA context, cuBLAS workspaces and NCCL's own buffers: a rough allowance (the CUDA context alone
+# is ~0.5 GiB on a Hopper GPU), not a measurement.
+RUNTIME_RESERVE_BYTES = int(1.5 * GIB)
+HEADROOM_TARGET = 0.10
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: the tensors autograd saves, op by op
+
+
+class _Saved:
+    """Storages held for backward, by a key naming each tensor: one storage is counted once, as
+    SavedTensorMeter counts it. `phase` tags bytes as the dense part's or the routed experts'."""
+
+    def __init__(self):
+        self.items: dict[str, tuple[int, str]] = {}
+
+    def add(self, key: str, numel: float, width: int, phase: str = "dense") -> None:
+        if numel > 0 and key not in self.items:
+            self.items[key] = (math.ceil(numel * width), phase)
+
+    def total(self, phase: str | None = None) -> int:
+        return sum(b for b, ph in self.items.values() if phase is None or ph == phase)
+
+
+def _norm(s: _Saved, p: str, x_key: str, N: int, D: int) -> str:
+    """RMSNorm: its input, the reciprocal RMS, and the normalized input (for the weight's grad).
+    Returns the key of its fp32 output."""
+    s.add(x_key, N * D, 4)
+    s.add(p + "rstd", N, 4)
+    s.add(p + "xn", N * D, 4)
+    return p + "h"
+
+
+def _linear(s: _Saved, p: str, x_key: str, x_width: int, rows: int, d_in: int, d_out: int, w_key: str, a: int, phase: str = "dense") -> None:
+    """nn.Linear / matmul with a trainable weight: saves its input. Under bf16 autocast the input is
+    cast (a new copy per call, unless already bf16) and so is the weight (a leaf: cached once per
+    autocast region, saved by every use)."""
+    if a == 4 or x_width == a:
+        s.add(x_key, rows * d_in, x_width, phase)
+    else:
+        s.add(p + x_key + "@bf16", rows * d_in, a, phase)
+    if a != 4:
+        s.add(w_key + "@bf16", d_in * d_out, a, phase)
+
+
+def _swiglu(s: _Saved, p: str, h_key: str, N: int, D: int, F: int, a: int) -> None:
+    """SwiGLU on a dense nn.Linear trio: gate and up read h; silu saves its input g, the product
+    saves silu(g) and u; the down projection saves the product."""
+    _linear(s, p + "gate.", h_key, 4, N, D, F, p + "w_gate", a)
+    _linear(s, p + "up.", h_key, 4, N, D, F, p + "w_up", a)
+    for t in ("g", "s", "u", "prod"):
+        s.add(p + t, N * F, a)
+    _linear(s, p + "down.", p + "prod", a, N, F, D, p + "w_down", a)
+
+
+def _attention(s: _Saved, p: str, x_key: str, cfg, B: int, T: int, a: int) -> None:
+    N, D, H, Kv, Hd = B * T, cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
+    h = _norm(s, p + "norm.", x_key, N, D)
+    for w, out in (("wq", H * Hd), ("wk", Kv * Hd), ("wv", Kv * Hd)):
+        _linear(s, p + w + ".", h, 4, N, D, out, p + w, a)
+    s.add(p + "cos", T * Hd // 2, a)  # RoPE tables, computed per call in q's dtype
+    s.add(p + "sin", T * Hd // 2, a)
+    # SDPA saves q, k, v (GQA repeats k and v to H heads first), its output and log-sum-exp.
+    s.add(p + "q", B * H * T * Hd, a)
+    s.add(p + "k", B * H * T * Hd, a)
+    s.add(p + "v", B * H * T * Hd, a)
+    s.add(p + "o", B * H * T * Hd, a)
+    s.add(p + "lse", B * H * T, 4)  # flash/efficient attention's log-sum-exp, fp32
+    s.add(p + "o_flat", N * H * Hd, a)  # transpose + reshape copy read by wo
+    _linear(s, p + "wo.", p + "o_flat", a, N, H * Hd, D, p + "wo", a)
+
+
+def _expected_active(experts: int, routed_tokens: int, top_k: int, num_experts: int) -> float:
+    """Experts (of `experts` here) that receive at least one of the routed tokens' slots, if
+    routing were uniform: each token picks top_k distinct of num_experts."""
+    return experts * (1.0 - (1.0 - top_k / num_experts) ** routed_tokens)
+
+
+def _moe(s: _Saved, p: str, x_key: str, cfg, N: int, a: int, local_experts: int, routed_tokens: int) -> None:
+    """The MoE layer (growtrain/model/moe.py) and its expert backend (the reference backends of
+    growtrain.kernels). `local_experts` of E live here; `routed_tokens` tokens (over every rank)
+    choose among all E experts."""
+    moe, D = cfg.moe, cfg.d_model
+    E, K, Fe = moe.num_experts, moe.top_k, moe.expert_hidden
+    S = N * K
+    h = _norm(s, p + "norm.", x_key, N, D)
+    s.add(h, N * D, 4)  # the router runs in fp32 with autocast off and saves its fp32 input
+    s.add(p + "scores", N * E, 4)  # softmax / sigmoid output
+    s.add(p + "idx", N * K, 8)  # gather's int64 index
+    s.add(p + "denom", N, 4)
+    s.add(p + "denom_clamped", N, 4)
+    s.add(p + "picked", N * K, 4)
+    s.add(p + "order", S, 8, "experts")
+    # Experts that receive at least one slot (each token picks K distinct of E).
+    active = _expected_active(local_experts, routed_tokens, K, E)
+    ex = p + "experts."
+    # The grouped SwiGLU Function (growtrain.kernels reference backends) saves the sorted rows once
+    # in their own dtype (fp32: the router's input), the gate and up pre-activations, and, with
+    # LoRA, x @ A^T of each matrix; autocast's casts of x and of the weights are redone in the backward.
+    s.add(ex + "x_sorted", S * D, 4, "experts")
+    s.add(ex + "g", S * Fe, a, "experts")
+    s.add(ex + "u", S * Fe, a, "experts")
+    if moe.expert_format == "nf4":
+        # The dequantized bases of the experts with rows (frozen, kept for the input's gradient).
+        s.add(ex + "bases", active * 3 * Fe * D, a, "experts")
+        s.add(ex + "xa", 3 * S * moe.lora.r, a, "experts")
+    s.add(p + "inverse", S, 8, "experts")
+    s.add(p + "gates", N * K, 4)
+    s.add(p + "y_tkd", S * D, 4, "experts")  # combine runs in fp32: the gathered expert outputs
+    if moe.aux_loss_coef:
+        s.add(p + "frac", E, 4)
+        if moe.score_func == "sigmoid":
+            s.add(p + "score_sum", N, 4)
+    if moe.z_loss_coef:
+        s.add(p + "logits", N * E, 4)
+        s.add(p + "lse", N, 4)
+    if moe.shared_expert_hidden:
+        _swiglu(s, p + "shared.", h, N, D, moe.shared_expert_hidden, a)
+
+
+def _ffn_branch(s: _Saved, p: str, x_key: str, cfg, index: int, B: int, T: int, a: int, local_experts: int, routed_tokens: int) -> None:
+    N = B * T
+    if cfg.is_moe_layer(index):
+        _moe(s, p, x_key, cfg, N, a, local_experts, routed_tokens)
+    else:
+        h = _norm(s, p + "norm.", x_key, N, cfg.d_model)
+        _swiglu(s, p, h, N, cfg.d_model, cfg.ffn_hidden, a)
+
+
+def _head(s: _Saved, cfg, B: int, T: int, a: int) -> None:
+    N, D, V = B * T, cfg.d_model, cfg.vocab_size
+    h = _norm(s, "head.norm.", "head.in", N, D)
+    _linear(s, "head.lm.", h, 4, N, D, V, "lm_head", a)
+    s.add("head.log_softmax", N * V, 4)  # cross-entropy on fp32 logits saves log_softmax's output
+    s.add("head.targets", N, 8)
+    s.add("head.total_weight", 1, 4)
+
+
+@dataclass
+class Activations:
+    """Bytes for one micro-batch on one GPU."""
+
+    saved_peak: int  # peak bytes held for backward (the quantity tests check against the meter)
+    saved_forward_end: int
+    saved_backward_peak: int
+    per_block: list[int]  # saved bytes of each block's F + G (plain autograd keeps them all)
+    block_dense: list[int]  # of which the dense part
+    block_experts: list[int]  # of which the routed experts' dispatch and compute
+    head: int
+    streams: int
+    workspace: int  # non-saved transients of the backward (approximate)
+    forward_logits: int  # logits and their fp32 copy alive at the end of the forward
+    tokens: int  # N = batch x seq of the micro-batch
+
+
+def activation_bytes(cfg, batch: int, seq: int, precision: str = "fp32", reversible: bool | None = None, *, local_experts: int | None = None, routed_tokens: int | None = None) -> Activations:
+    """Saved-for-backward bytes of one forward+backward of `GrowLM(cfg)` on [batch, seq] tokens,
+    with the training loop's loss (growtrain.train.forward_loss: cross-entropy on fp32 logits plus
+    the aux loss). `local_experts` (default E) and `routed_tokens` (default batch·seq) describe an
+    expert-parallel rank."""
+    reversible = cfg.reversible if reversible is None else reversible
+    a = 2 if precision == "bf16" else 4
+    B, T, N, D = batch, seq, batch * seq, cfg.d_model
+    E = cfg.moe.num_experts if cfg.moe is not None else 0
+    local = E if local_experts is None else local_experts
+    routed = N if routed_tokens is None else routed_tokens
+
+    base = _Saved()
+    base.add("tokens", B * (T + 1), 8)  # the embedding saves its int64 indices (a [B, T+1] batch)
+    blocks_f, blocks_g = [], []
+    for i in range(cfg.n_layers):
+        f, g = _Saved(), _Saved()
+        _attention(f, "f.", "x_in", cfg, B, T, a)
+        _ffn_branch(g, "g.", "y_in", cfg, i, B, T, a, local, routed)
+        blocks_f.append(f)
+        blocks_g.append(g)
+    head = _Saved()
+    _head(head, cfg, B, T, a)
+    per_block = [f.total() + g.total() for f, g in zip(blocks_f, blocks_g)]
+    block_experts = [g.total("experts") for g in blocks_g]
+    block_dense = [pb - be for pb, be in zip(per_block, block_experts)]
+    stream = N * D * 4
+    routing_width = 1 if E <= 256 else 2 if E <= 32768 else 4  # reversible.py keeps the narrowest int
+    routing = sum(N * cfg.moe.top_k * routing_width for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) if E else 0
+
+    if reversible:
+        fixed = base.total() + 2 * stream + routing
+        forward_end = fixed + head.total()
+        # Backward: one block's G, then its F, is rebuilt with grad on at a time. The last block's
+        # G reads the saved y1 itself (same storage); every other block's input is a new tensor.
+        worst = 0
+        for i, (f, g) in enumerate(zip(blocks_f, blocks_g)):
+            g_bytes = g.total() - (stream if i == cfg.n_layers - 1 else 0)
+            worst = max(worst, g_bytes, f.total())
+        backward_peak = fixed + worst
+        streams = 2 * stream
+    else:
+        forward_end = base.total() + sum(per_block) + head.total()
+        backward_peak = forward_end
+        streams = 0
+
+    # Not saved, but alive (approximate): the head's backward holds the gradient of log_softmax's
+    # output and of the logits ([N, V] fp32 each); a block's backward the four streams (rebuilt
+    # x1, x2 and their gradients) and the gradient of its widest activation.
+    widest = 8 * N * max(D, cfg.ffn_hidden, D * cfg.moe.top_k if cfg.moe is not None and cfg.moe_layers else 0)
+    workspace = max(N * cfg.vocab_size * 8, 4 * stream + widest)
+    return Activations(
+        saved_peak=max(forward_end, backward_peak),
+        saved_forward_end=forward_end,
+        saved_backward_peak=backward_peak,
+        per_block=per_block,
+        block_dense=block_dense,
+        block_experts=block_experts,
+        head=head.total(),
+        streams=streams,
+        workspace=workspace,
+        forward_logits=N * cfg.vocab_size * (a + (4 if a != 4 else 0)),
+        tokens=N,
+    )
+
+
+def autocast_weight_cache(cfg, count: ModelCount, precision: str) -> int:
+    """bf16 autocast caches one bf16 copy of every leaf weight it casts (attention, dense and
+    shared FFNs, LM head; not the router, not expert slices) until the forward's autocast exits.
+    Plain autograd saves those copies anyway (they are in the saved bytes); the reversible forward
+    saves nothing, so they come on top."""
+    if precision != "bf16" or not cfg.reversible:
+        return 0
+    r = count.params_by_role
+    return 2 * (r["attention"] + r["dense_ffn"] + r["shared_expert"] + count.lm_head_params)
+
+
+def workspace_bytes(cfg, count: ModelCount, acts: Activations, precision: str) -> int:
+    """Non-saved memory at the worse of the forward's end (autocast's weight cache, the logits)
+    and the backward (the logits' gradients, a block's rebuilt streams and gradients)."""
+    return max(acts.workspace, autocast_weight_cache(cfg, count, precision) + acts.forward_logits)
+
+
+def stage_activations(cfg, batch: int, seq: int, precision: str, gpus: int) -> Activations:
+    """One GPU's activations for a stage's micro-batch: its share of the experts, and the tokens
+    of every GPU routed among all of them."""
+    E = cfg.moe.num_experts if cfg.moe is not None and cfg.moe_layers else 0
+    local = math.ceil(E / gpus) if E else None
+    return activation_bytes(cfg, batch, seq, precision, local_experts=local, routed_tokens=batch * seq * gpus)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory per GPU
+
+
+def expert_share(cfg, gpus: int) -> float:
+    """Fraction of each expert tensor on the most loaded GPU (experts sharded contiguously)."""
+    if cfg.moe is None or not cfg.moe_layers:
+        return 1.0
+    E = cfg.moe.num_experts
+    return math.ceil(E / gpus) / E
+
+
+@dataclass(frozen=True)
+class MemoryPerGpu:
+    """Bytes one GPU holds at a stage's peak, by kind (the `memory` entry of a plan's stage)."""
+
+    weights_bytes: dict[str, int]  # by storage: fp32, bf16, nf4, ...
+    weights_total_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int  # saved for backward, at its peak
+    workspace_bytes: int
+    communication_bytes: int
+    runtime_reserve_bytes: int
+    total_bytes: int
+
+    def to_dict(self) -> dict:
+        return {
+            "weights": dict(self.weights_bytes),
+            "weights_total": self.weights_total_bytes,
+            "gradients": self.gradients_bytes,
+            "optimizer": self.optimizer_bytes,
+            "activations": self.activations_bytes,
+            "workspace": self.workspace_bytes,
+            "communication": self.communication_bytes,
+            "runtime_reserve": self.runtime_reserve_bytes,
+            "total": self.total_bytes,
+        }
+
+
+def memory_per_gpu(cfg, count: ModelCount, acts: Activations, gpus: int, precision: str) -> MemoryPerGpu:
+    """The most loaded GPU's bytes for one micro-batch of `acts` on `gpus` GPUs."""
+    share = expert_share(cfg, gpus)
+    weights: dict[str, float] = defaultdict(float)
+    grads = opt = 0.0
+    for t in count.tensors:
+        frac = share if t.expert_sharded else 1.0
+        weights[t.storage] += t.bytes * frac
+        if t.trainable:
+            grads += t.bytes * frac  # gradients in the parameter's dtype
+            # ZeRO-1: the dense parameters' state is sharded over all GPUs; the experts' state
+            # lives with them.
+            opt += t.optimizer_bytes * (frac if t.expert_sharded else 1.0 / gpus)
+    comm = 0
+    if gpus > 1:
+        a = 2 if precision == "bf16" else 4
+        comm = 2 * GRAD_BUCKET_BYTES
+        if cfg.moe is not None and cfg.moe_layers:
+            # Dispatch and combine, each a send and a receive buffer of the micro-batch's token-slots.
+            comm += 4 * acts.tokens * cfg.moe.top_k * cfg.d_model * a
+    w = {k: int(v) for k, v in sorted(weights.items())}
+    workspace = workspace_bytes(cfg, count, acts, precision)
+    total = sum(w.values()) + int(grads) + int(opt) + acts.saved_peak + workspace + comm + RUNTIME_RESERVE_BYTES
+    return MemoryPerGpu(
+        weights_bytes=w,
+        weights_total_bytes=sum(w.values()),
+        gradients_bytes=int(grads),
+        optimizer_bytes=int(opt),
+        activations_bytes=acts.saved_peak,
+        workspace_bytes=workspace,
+        communication_bytes=comm,
+        runtime_reserve_bytes=RUNTIME_RESERVE_BYTES,
+        total_bytes=total,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Growth: old and new model alive together
+
+
+def _held_bytes(count: ModelCount) -> int:
+    """Weights, buffers and optimizer state of a whole (unsharded) model."""
+    return sum(t.bytes + t.optimizer_bytes for t in count.tensors)
+
+
+def growth_peak_bytes(cfg_before, steps, optimizer_cfg, counts: dict) -> int:
+    """Peak bytes a stage's growth holds in its one process today (stages/transition.py): while
+    an operator runs, the old model and its optimizer state and the new model and its mapped
+    state are alive together. 0 for a stage without growth."""
+    from growtrain.stages import get_operator
+
+    peak, cfg = 0, cfg_before
+    for step in steps:
+        new_cfg = get_operator(step.op).plan(cfg, step.args)
+        old, new = (counts.get(c) or counts.setdefault(c, count_model(c, optimizer_cfg)) for c in (cfg, new_cfg))
+        peak = max(peak, _held_bytes(old) + _held_bytes(new))
+        cfg = new_cfg
+    return peak
