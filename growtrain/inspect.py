@@ -120,6 +120,7 @@ def inspect_report(path: Path) -> dict:
         },
         "stages": [{"name": s["name"], "steps": s["steps"]} for s in meta["recipe"]["stages"]],
         "wandb_id": meta.get("wandb_id"),
+        "data_position": meta.get("data_position"),  # None in checkpoints from before it was recorded
         "expert_parallel": (meta.get("expert_parallel") or {}).get("size", 1),  # processes that saved it
         "transitions": transitions,
     }
@@ -140,6 +141,7 @@ def format_report(r: dict) -> str:
         f"parameters  {held}{m['n_layers']} blocks, d_model {m['d_model']}{moe})",
         f"loss        {r['loss']:.4f} (eval {r['eval_loss']:.4f})",
         f"wandb id    {r['wandb_id'] or '-'}",
+        *([f"data        epoch {d['epoch']}, {d['shard']} at token {d['offset']:,} (stream position {d['cursor']:,})"] if (d := r["data_position"]) else []),
         f"saved by    {r['expert_parallel']} process(es)" + (" (experts in per-rank shard files; loads at any EP size that divides them)" if r["expert_parallel"] > 1 else ""),
         "",
         "growth history:" if r["transitions"] else "growth history: none yet",

@@ -360,6 +360,7 @@ class Run:
             "eval_loss": self.last_eval,
             "wandb_id": self.wandb_id,
             "data_fingerprint": self.data_fingerprint,
+            "data_position": self.stream.state_dict(),  # for people (inspect); a resume reads trainer.pt's
             "tokenizer": self.tokenizer,
             "growth_history": self.history,
             "recipe": self.plain,

@@ -213,6 +213,10 @@ def test_killed_and_resumed_on_prepared_data_repeats_the_uninterrupted_run(micro
     assert_same_run(out, micro_memory_run, 20)
     meta = json.loads(next(iter(sorted((out / "checkpoints").glob("step-*/meta.json")))).read_text())
     assert meta["data_fingerprint"] == read_manifest(micro_prepared).fingerprint
+    shown = run_cli("inspect", out)
+    position = json.loads(run_cli("inspect", out, "--json").stdout)["data_position"]
+    assert position["shard"].startswith("train-") and position["cursor"] > 0 and position["epoch"] == 0
+    assert f"{position['shard']} at token {position['offset']:,}" in shown.stdout
 
 
 @pytest.mark.slow
