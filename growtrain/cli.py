@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=0, metavar="N", help="tokenizer processes (default 0: one per CPU core)")
     p.add_argument("--buffer-mb", type=float, default=256.0, metavar="MB",
                    help="text split and shuffled together (default 256); a source that fits one buffer is shuffled whole")
-    p.add_argument("--overwrite", action="store_true", help="replace prepared data already in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace prepared data already in --out (its manifest and shards are removed first)")
 
     p = sub.add_parser("check-data", help="verify a prepared folder's shards against its manifest (sizes and sha256)",
                        description="Read every shard of a folder written by prepare-data and compare its size and sha256 with "
