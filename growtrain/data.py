@@ -129,7 +129,6 @@ class Corpus:
     num_documents: int
     description: str
     fingerprint: str  # names the token content; a resume refuses other data
-    shuffle_seed: int  # of the per-epoch shard order (a one-part stream has one order)
     warnings: tuple[str, ...] = ()  # problems worth a line in the log that do not stop the run
 
 
@@ -404,7 +403,7 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     tokenizer = build_tokenizer(cfg.tokenizer)
     path = Path(cfg.source).expanduser()
     if not cfg.source.startswith("builtin:") and is_prepared_dir(path):
-        return _prepared_corpus(path, cfg, tokenizer, seed)
+        return _prepared_corpus(path, cfg, tokenizer)
     undecodable: list[str] = []
     name, doc_iter = read_documents(cfg, undecodable)
     docs = list(capped(doc_iter, cfg.max_bytes))
@@ -426,11 +425,11 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     warnings = (_undecodable_warning(undecodable),) if undecodable else ()
     return Corpus(
         tokenizer, TokenArray([train_np]), TokenArray([eval_np]), len(docs), description,
-        memory_fingerprint(train_np, eval_np), seed, warnings,
+        memory_fingerprint(train_np, eval_np), warnings,
     )
 
 
-def _prepared_corpus(root: Path, cfg: DataConfig, tokenizer: Tokenizer, seed: int) -> Corpus:
+def _prepared_corpus(root: Path, cfg: DataConfig, tokenizer: Tokenizer) -> Corpus:
     manifest = read_manifest(root)
     if cfg.max_bytes:
         raise DataError(
@@ -454,7 +453,7 @@ def _prepared_corpus(root: Path, cfg: DataConfig, tokenizer: Tokenizer, seed: in
         f"{len(held_out):,}), tokenizer {tokenizer.name}, {manifest.dtype}, memory-mapped"
     )
     return Corpus(
-        tokenizer, train, held_out, docs["train"] + docs["eval"], description, manifest.fingerprint, seed, tuple(warnings)
+        tokenizer, train, held_out, docs["train"] + docs["eval"], description, manifest.fingerprint, tuple(warnings)
     )
 
 

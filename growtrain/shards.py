@@ -180,7 +180,7 @@ def check_tokenizer(root: Path, manifest: Manifest, spec: str, tokenizer: Tokeni
     """The recipe's tokenizer must be the one the shards were written with (ids mean nothing under
     another)."""
     theirs, ours = manifest.tokenizer, tokenizer_identity(spec)
-    if theirs.get("sha256") == ours["sha256"] and (ours["sha256"] is not None or theirs.get("spec") == "byte"):
+    if theirs.get("sha256") == ours["sha256"]:  # both None only for the byte tokenizer
         if int(theirs.get("vocab_size", tokenizer.vocab_size)) != tokenizer.vocab_size:
             raise DataError(f"'{root}' was written with a vocabulary of {theirs['vocab_size']:,}; the tokenizer has {tokenizer.vocab_size:,}")
         return

@@ -479,7 +479,7 @@ class Run:
         self.log(f"data: {corpus.description} (fingerprint {self.data_fingerprint})")
         for warning in corpus.warnings:
             self.log(f"warning: {warning}")
-        self.stream = TokenStream(corpus.train, corpus.shuffle_seed)
+        self.stream = TokenStream(corpus.train, recipe.seed)  # the seed orders a sharded stream's later epochs
         seed_shape = seed_model_config(recipe, corpus)
         shapes = plan_stage_models(seed_shape, [s.grow for s in recipe.stages])
         self._check_parallel(shapes)

@@ -77,19 +77,15 @@ def _copy_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Te
         expected = grown * beta.to(device=grown.device, dtype=grown.dtype)
     else:
         expected = grown * beta if beta != 1.0 else grown
-    keep = torch.ones(new.shape, dtype=torch.bool, device=new.device)
-    if prov.fresh is not None:
-        keep &= ~prov.fresh.to(new.device)
-    noisy = None
-    if prov.perturbed is not None:
-        noisy = _full(prov.perturbed, new, torch.bool) & keep
-        keep &= ~noisy
+    copied = ~prov.fresh.to(new.device) if prov.fresh is not None else torch.ones(new.shape, dtype=torch.bool, device=new.device)
+    noisy = _full(prov.perturbed, new, torch.bool) & copied if prov.perturbed is not None else None
+    keep = copied & ~noisy if noisy is not None else copied
     problems = []
-    delta = (new.double() - expected.double()).abs()
+    delta = (new - expected).abs()
     if new.dtype == torch.float32:
         bad = (new != expected) & keep
     else:  # β is stored as fp32: the operator's product may differ by its rounding
-        bad = (delta > expected.double().abs() * 2.0**-23) & keep
+        bad = (delta > expected.abs() * 2.0**-23) & keep
     n_bad = int(bad.sum())
     worst = float(delta[keep].max()) if bool(keep.any()) else 0.0
     if n_bad:
@@ -105,7 +101,7 @@ def _copy_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Te
                 f"values: {int(over.sum())} of {n_noisy} perturbed element(s) of {name} move by up to {float(delta[noisy].max()):.3g}, "
                 f"beyond the operator's declared bound {prov.perturb_bound:.3g}"
             )
-    problems += _copies_problems(name, prov, old, new, keep | (noisy if noisy is not None else keep))
+    problems += _copies_problems(name, prov, old, new, copied)
     return int(keep.sum()), n_noisy, worst, problems
 
 
@@ -138,11 +134,12 @@ def _redraw_problems(op_name: str, args, old_model, growth: Growth) -> list[str]
     else:
         return []
     problems = []
+    params = dict(growth.model.named_parameters())
     for name, prov in growth.provenance.items():
         match = _EXPERT.match(name)
         if match is None or prov.kind != "copy":
             continue
-        param = dict(growth.model.named_parameters())[name]
+        param = params[name]
         hidden_dim = 2 if match.group(2) == "w_down" else 1
         F = param.shape[hidden_dim]
         want = round(fraction * F)
