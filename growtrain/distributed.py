@@ -11,8 +11,11 @@ What each rank does differently from a single process:
 - dense parameters: gradients all-reduced (mean); optimizer state sharded ZeRO-1 style (each
   dense parameter's moments live on one owner rank, which steps it and broadcasts the result);
 - the clip norm is the global one (each rank's owned share of the squared norm, summed);
-- growth gathers the full model and optimizer state on every rank, runs the operators and their
-  checks identically everywhere (seeded), and re-shards (see `gather_full`);
+- growth runs on the expert shards where every operator of a transition can (stages/sharding.py:
+  each rank grows its own experts, children move to their new ranks by all-to-all, the checks'
+  verdicts are taken over all ranks; only the dense optimizer state is gathered); otherwise it
+  gathers the full model and optimizer state on every rank, runs the operators and their checks
+  identically everywhere (seeded), and re-shards (see `gather_full`);
 - checkpoints: rank 0 writes the dense state; each rank writes its experts' slices and its
   owned optimizer state into the same checkpoint (growtrain/checkpoint.py, expert_shards.py);
 - failures: a rank that fails writes its message under `run_dir/.rank-errors/`; the others, whose
@@ -235,12 +238,22 @@ class Dist:
     def shard(self, model: nn.Module) -> nn.Module:
         return shard_experts(model, self.ep) if self.active else model
 
-    def shard_state(self, state: dict, named_params: dict[str, nn.Parameter]) -> dict:
-        """A full name-keyed optimizer state (ParamState values) cut to what this rank owns."""
+    def shard_state(self, state: dict, named_params: dict[str, nn.Parameter], experts_sharded: bool = False) -> dict:
+        """A name-keyed optimizer state (ParamState values) cut to what this rank owns: its dense
+        parameters' entries, and its slice of every expert entry (`experts_sharded`: the expert
+        entries are this rank's already, as sharded growth leaves them)."""
         if not self.active:
             return state
         owned = self.owned(named_params)
-        return {n: ParamState(**slice_entry(_fields(s), self.rank, self.size)) if is_expert_tensor(n) else s for n, s in state.items() if n in owned}
+        cut = (lambda s: s) if experts_sharded else (lambda s: ParamState(**slice_entry(_fields(s), self.rank, self.size)))
+        return {n: cut(s) if is_expert_tensor(n) else s for n, s in state.items() if n in owned}
+
+    def replicate_dense_state(self, state: dict) -> dict:
+        """This rank's optimizer state with every dense entry (ZeRO-1: held by its owner alone)
+        on every rank, and its expert entries as they are: what growth on expert shards reads."""
+        if not self.active:
+            return state
+        return self._gather_state(state, experts=False)
 
     @torch.no_grad()
     def gather_full(self, model: nn.Module, state: dict) -> tuple[nn.Module, dict]:
@@ -266,7 +279,7 @@ class Dist:
             p.requires_grad_(name in trainable)
         return grown, self._gather_state(state)
 
-    def _gather_state(self, state: dict) -> dict:
+    def _gather_state(self, state: dict, experts: bool = True) -> dict:
         """Every rank's optimizer state, merged: expert entries concatenated over the ranks, each
         dense entry from the one rank that holds it (its ZeRO-1 owner). No tensor goes through an
         object collective (NCCL would pickle it through the host and unpickle it onto the sender's
@@ -278,6 +291,9 @@ class Dist:
         for name in sorted({n for lay in layouts for n in lay}):
             holders = [r for r, lay in enumerate(layouts) if name in lay]
             expert = is_expert_tensor(name)
+            if expert and not experts:  # each rank keeps its own slice
+                merged[name] = state[name]
+                continue
             if expert and len(holders) != self.size:
                 raise ValueError(f"optimizer state of expert tensor {name} is on ranks {holders} only, not on all {self.size}")
             fields = {}

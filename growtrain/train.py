@@ -36,7 +36,7 @@ from growtrain.optim_registry import build_optimizer
 from growtrain.progress import Progress, stage_step_costs
 from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain, without_moved_keys
 from growtrain.run_lock import RunDirLock, RunDirLocked
-from growtrain.stages import GrowthCheckFailed, apply_growth, plan_stage_models
+from growtrain.stages import GrowthCheckFailed, apply_growth, get_operator, plan_stage_models, sharding
 from growtrain.tokenizer import CHECKPOINT_TOKENIZER, tokenizer_file, tokenizer_identity
 from growtrain.tracking import Console, MetricsFile, Tracker, format_duration
 
@@ -547,22 +547,32 @@ class Run:
             self.console.write("warning: invariance.dynamics is false: no one-step dynamics or trainability check of this growth")
         if not self.recipe.invariance.values:
             self.console.write("warning: invariance.values is false: no check of the grown values against their provenance")
-        # Under expert parallelism every rank grows the gathered model identically, then re-shards.
-        model, state = self.dist.gather_full(self.model, self.optimizer.state)
+        # Under expert parallelism: on the expert shards where every operator of the transition can
+        # (stages/sharding.py; the dense state gathered on every rank), else on the gathered model,
+        # grown identically on every rank and re-sharded.
+        on_shards = self.dist.active and all(get_operator(s.op).runs_sharded(s.args) for s in stage.grow)
+        if on_shards:
+            model, state = self.model, self.dist.replicate_dense_state(self.optimizer.state)
+        else:
+            if self.dist.active:
+                unsharded = [s.op for s in stage.grow if not get_operator(s.op).runs_sharded(s.args)]
+                self.console.write(f"growth [{stage.name}]: gathering the whole model on every rank ({', '.join(unsharded)} cannot grow expert shards yet)")
+            model, state = self.dist.gather_full(self.model, self.optimizer.state)
         try:
-            outcome = apply_growth(
-                model,
-                state,
-                stage.grow,
-                seed=self.recipe.seed,
-                stage_index=pos.stage,
-                stage_name=stage.name,
-                planned=planned,
-                probe=probe,
-                invariance_cfg=self.recipe.invariance,
-                optimizer_cfg=self.recipe.optimizer,
-                lr=stage.lr(0, self.recipe.optimizer.lr),
-            )
+            with sharding.sharded(self.dist.ep if on_shards else None):
+                outcome = apply_growth(
+                    model,
+                    state,
+                    stage.grow,
+                    seed=self.recipe.seed,
+                    stage_index=pos.stage,
+                    stage_name=stage.name,
+                    planned=planned,
+                    probe=probe,
+                    invariance_cfg=self.recipe.invariance,
+                    optimizer_cfg=self.recipe.optimizer,
+                    lr=stage.lr(0, self.recipe.optimizer.lr),
+                )
         except GrowthCheckFailed as exc:
             # Nothing of the failed growth is checkpointed; its report is kept for the post-mortem.
             report = self.run_dir / "growth-failure.json"
@@ -570,9 +580,9 @@ class Run:
                 report.write_text(json.dumps(exc.record, indent=2, default=str) + "\n")
             self.console.write(f"growth check failed; full report in {report}")
             raise
-        self.model = self.dist.shard(outcome.model)
+        self.model = outcome.model if on_shards else self.dist.shard(outcome.model)
         named = dict(self.model.named_parameters())
-        self.optimizer.rebind(self.dist.owned(named), self.dist.shard_state(outcome.optimizer_state, named))
+        self.optimizer.rebind(self.dist.owned(named), self.dist.shard_state(outcome.optimizer_state, named, experts_sharded=on_shards))
         self.model.set_expert_backend(self.recipe.train.expert_backend)
         self.history.extend(outcome.records)
         for r in outcome.records:

@@ -15,8 +15,15 @@ def materialize(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> GrowLM:
     """The model of shape `cfg` holding exactly `state`: built on the meta device and loaded with
     strict=True, so a missing, renamed or stray key fails here instead of leaving a parameter at
     its random init (a pitfall of real growth runs)."""
+    from growtrain.stages import sharding
+
     with torch.device("meta"):
         model = GrowLM(cfg)
+    ep = sharding.current()
+    if ep is not None:  # sharded growth: the operator built this rank's experts only
+        from growtrain.model.expert_parallel import shard_experts
+
+        shard_experts(model, ep)
     model.load_state_dict(state, strict=True, assign=True)
     return model
 
@@ -50,14 +57,20 @@ def _along(mask_N: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
     return mask_N.view(shape)
 
 
-def redraw_neurons(w_EFD: torch.Tensor, redraw_EF: torch.Tensor, hidden_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def redraw_neurons(w_EFD: torch.Tensor, redraw_EF: torch.Tensor, hidden_dim: int, experts_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-upcycling: the neurons marked in `redraw_EF` redrawn from N(mean, std) of each expert's
-    own matrix (drawn on the CPU, as fresh_state does: the same draws whatever the device).
+    own matrix. Each expert's draws come from a generator of its own, keyed by its global index
+    (`experts_E`, default 0..E-1) and one draw of the seeded RNG, on the CPU: the same numbers
+    whatever the device and whichever rank holds the expert (stages/sharding.py).
     Returns the weight and the mask of redrawn elements."""
+    from growtrain.stages import sharding
+
     stats = w_EFD.double().flatten(1)
     mean, std = stats.mean(1), stats.std(1)
     shape = [-1] + [1] * (w_EFD.ndim - 1)
-    draw = torch.randn(w_EFD.shape, dtype=torch.float64) * std.cpu().view(shape) + mean.cpu().view(shape)
+    experts_E = torch.arange(w_EFD.shape[0]) if experts_E is None else experts_E
+    unit = sharding.expert_normal(tuple(w_EFD.shape[1:]), experts_E, sharding.draw_key())
+    draw = unit * std.cpu().view(shape) + mean.cpu().view(shape)
     mask = redraw_EF.unsqueeze(2 if hidden_dim == 1 else 1).expand(w_EFD.shape).to(w_EFD.device)
     return torch.where(mask, draw.to(device=w_EFD.device, dtype=w_EFD.dtype), w_EFD), mask
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from growtrain.optim_registry import build_optimizer
+from growtrain.stages import sharding
 
 # Operator -> patterns (re.search) of the grown parameters held out of the one-step comparison
 # (with their sources on the old side), and why.
@@ -101,7 +102,7 @@ def fresh_masks(model, provenance) -> dict[str, torch.Tensor]:
             continue
         if prov.kind in ("new", "reset"):
             out[name] = torch.ones(p.shape, dtype=torch.bool, device=p.device)
-        elif prov.kind == "copy" and prov.fresh is not None and bool(prov.fresh.any()):
+        elif prov.kind == "copy" and prov.fresh is not None and sharding.any_elements(prov.fresh):
             out[name] = prov.fresh.to(p.device).bool()
     return out
 
@@ -165,6 +166,7 @@ def gradients(model, inputs_BT, targets_BT) -> tuple[dict, dict]:
         with torch.enable_grad():
             out, loss = _loss(model, inputs_BT, targets_BT, with_aux=True)
             loss.backward()
+        sharding.expert_grads_per_rank(named)
         return {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}, _expert_loads(model, out)
     finally:
         model.zero_grad(set_to_none=True)
@@ -211,6 +213,7 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
             out, loss = _loss(model, inputs_BT, targets_BT)
             before_BTV = out.logits.detach().double()
             loss.backward()
+        sharding.expert_grads_per_rank(named)
         for name, mask in side.held.items():
             p = named.get(name)
             if p is None or p.grad is None:
@@ -220,7 +223,7 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
             else:
                 p.grad.masked_fill_(mask, 0.0)
         opt = _optimizer(named, side.state, opt_cfg)
-        norm = opt.clip_grad_norm(opt_cfg.grad_clip)
+        norm = sharding.clip_grad_norm(opt, opt_cfg.grad_clip)
         opt.step(lr)
         with torch.no_grad():
             for name, mask in side.held.items():
@@ -246,7 +249,7 @@ def later_gradients(model, state, grads: dict, opt_cfg, lr: float, inputs_BT, ta
         for _ in range(steps):
             for n, p in named.items():
                 p.grad = grads[n].clone() if n in grads else None
-            opt.clip_grad_norm(opt_cfg.grad_clip)
+            sharding.clip_grad_norm(opt, opt_cfg.grad_clip)
             opt.step(lr)
             grads, loads = gradients(model, inputs_BT, targets_BT)
             out.append((grads, loads))
@@ -303,6 +306,9 @@ def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool,
         "bar": cfg.dynamics_exact_tol if exact else cfg.dynamics_max_rel,
     }
     worst = parameter_mismatch(a["updates"], b["updates"], provenance, new.held) if provenance is not None else None
+    if provenance is not None:  # on expert shards: the worst over every rank's parameters (rank order breaks ties)
+        candidates = [w for w in sharding.gather_objects(worst) if w is not None]
+        worst = max(candidates, key=lambda w: w[1]) if candidates else None
     if worst is not None:
         metrics["worst_parameter"], metrics["worst_parameter_rel"] = worst
     problems = []
@@ -343,11 +349,12 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
     if not masks:
         return {"per_parameter": {}, "dead": 0, "unreached_experts": {}, "seconds": 0.0}, []
     grads1, loads1 = gradients(model, inputs_BT, targets_BT)
-    report, problems, unreached = {}, [], {}
+    report, unreached = {}, {}
     alive = {n: grads1[n] != 0 if n in grads1 else torch.zeros_like(m) for n, m in masks.items()}
-    idle = {b: load == 0 for b, load in loads1.items()}
+    idle = {b: load == 0 for b, load in loads1.items()}  # [E] over all experts (every rank's, on shards)
     stepped = 0
-    if not all(bool(alive[n][m].all()) for n, m in masks.items()):
+    # The later steps are collectives on expert shards: one verdict for every rank.
+    if not sharding.all_ranks(all(bool(alive[n][m].all()) for n, m in masks.items())):
         for grads, loads in later_gradients(model, state, grads1, opt_cfg, lr, inputs_BT, targets_BT, TRAINABILITY_STEPS):
             for n in masks:
                 if n in grads:
@@ -361,6 +368,8 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
             # An expert some pass sent no probe token to cannot be judged (its partner may have had
             # no gradient to step with): counted, not failed.
             idle_E = idle[int(m.group(1))]
+            lo, hi = sharding.local_range(idle_E.numel())
+            idle_E = idle_E[lo:hi]  # the experts held here
             if bool(idle_E.any()):
                 unreached[name] = int(idle_E.sum())
                 mask[idle_E.to(mask.device)] = False
@@ -372,13 +381,36 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
         rows = dead.flatten(0, 1) if dead.ndim >= 3 else dead
         dead_rows = int((rows.reshape(rows.shape[0], -1).any(1) if rows.ndim > 1 else rows).sum())
         report[name] = {"new": int(mask.sum()), "dead": n_dead, "dead_rows": dead_rows}
-        if n_dead:
+    report, unreached = _over_ranks(report, unreached)
+    problems = []
+    for name, r in report.items():
+        if r["dead"]:
             block = re.match(r"^blocks\.(\d+)\.", name)
             problems.append(
-                f"trainability: {n_dead} of {int(mask.sum())} new element(s) of {name}"
+                f"trainability: {r['dead']} of {r['new']} new element(s) of {name}"
                 + (f" (block {block.group(1)})" if block else "")
-                + f" ({dead_rows} row(s)) get no gradient on the probe, neither now nor after {stepped} step(s) of the others: they cannot train"
+                + f" ({r['dead_rows']} row(s)) get no gradient on the probe, neither now nor after {stepped} step(s) of the others: they cannot train"
             )
     metrics = {"per_parameter": report, "dead": sum(r["dead"] for r in report.values()), "unreached_experts": unreached, "steps": stepped}
     metrics["seconds"] = time.perf_counter() - t0
     return metrics, problems
+
+
+def _over_ranks(report: dict, unreached: dict) -> tuple[dict, dict]:
+    """The trainability counts of every rank merged (expert shards: an expert tensor's counts
+    summed over the ranks that hold its experts; a replicated parameter's are the same everywhere)."""
+    every = sharding.gather_objects((report, unreached))
+    if len(every) == 1:
+        return report, unreached
+    from growtrain.expert_shards import is_expert_tensor
+
+    merged, idle = {}, {}
+    for rep, unr in every:
+        for name, r in rep.items():
+            if name not in merged:
+                merged[name] = dict(r)
+            elif is_expert_tensor(name):
+                merged[name] = {k: merged[name][k] + v for k, v in r.items()}
+        for name, n in unr.items():
+            idle[name] = idle.get(name, 0) + n if is_expert_tensor(name) else n
+    return merged, idle

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from growtrain.stages import sharding
 from growtrain.stages.registry import Growth, Provenance
 
 PROVENANCE_KINDS = ("carried", "copy", "new", "reset")
@@ -222,7 +223,7 @@ def structure_problems(old_model, new_model, provenance: dict[str, Provenance], 
     )
     if bad_masks:
         problems.append(f"fresh-element masks shaped unlike their parameters: {bad_masks[:4]}")
-    actual = new_model.num_parameters()
+    actual = sharding.count_parameters(new_model)  # expert shards summed over the ranks
     if actual != planned_params:
         problems.append(f"parameter count {actual:,} differs from the planned {planned_params:,}")
     return problems

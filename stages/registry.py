@@ -90,9 +90,14 @@ class Operator:
     plan: Callable[[ModelConfig, Any], ModelConfig]
     apply: Callable[[Any, Any], Growth]
     exact_if: Callable[[Any], bool] | None = None  # for an exact operator whose options can make it approximate
+    # Whether `apply` can run on expert shards (stages/sharding.py): True, or a test of the arguments.
+    shards: bool | Callable[[Any], bool] = False
 
     def is_exact(self, args) -> bool:
         return self.exact and (self.exact_if is None or self.exact_if(args))
+
+    def runs_sharded(self, args) -> bool:
+        return self.shards(args) if callable(self.shards) else bool(self.shards)
 
 
 OPERATORS: dict[str, Operator] = {}

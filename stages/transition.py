@@ -24,6 +24,7 @@ from growtrain.stages.invariance import (
     structure_problems,
 )
 from growtrain.stages.invariance import probe as run_probe
+from growtrain.stages import sharding
 from growtrain.stages.registry import GrowthPlanError, Provenance, get_operator
 from growtrain.stages.values import value_check
 
@@ -101,7 +102,7 @@ def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool) 
         f32(_scaled(s.eps_mult, t, 1 / S)),
         f32(_scaled(s.norm_mult, t, S * beta)),
     )
-    if prov.fresh is not None and bool(prov.fresh.any()):
+    if prov.fresh is not None and sharding.any_elements(prov.fresh):  # one verdict on every rank: the transforms are collectives
         fresh = prov.fresh.to(state.exp_avg.device)
         counts = step if isinstance(step, torch.Tensor) else torch.full(shape, step, dtype=torch.int32, device=fresh.device)
         state = ParamState(
@@ -178,7 +179,8 @@ def apply_growth(
         planned_here = op.plan(model.config, step.args)
         with torch.device("meta"):
             planned_params = GrowLM(planned_here).num_parameters()
-        structure = structure_problems(model, new_model, growth.provenance, planned_params)
+        # On expert shards every verdict is taken over all ranks (stages/sharding.py).
+        structure = sharding.union_ranks(structure_problems(model, new_model, growth.provenance, planned_params))
         new_state = None
         if not structure:
             try:
@@ -187,12 +189,13 @@ def apply_growth(
                 structure.append(f"optimizer state could not be mapped: {type(exc).__name__}: {exc}")
             else:
                 structure += optimizer_problems(new_model, new_state)
+            structure = sharding.union_ranks(structure)
         if not structure and getattr(invariance_cfg, "values", True):
             metrics["values"], found = value_check(step.op, step.args, model, growth)
             problems += found
         if dyn.on and not structure:
             problems += dyn.check_operator(step.op, step.args, exact, model, optimizer_state, new_model, new_state, growth.provenance, probe, invariance_cfg, metrics)
-        record = _record(stage_name, stage_index, j, op.name, step.to_plain(), exact, metrics, model, new_model, planned_params, structure + problems)
+        record = _record(stage_name, stage_index, j, op.name, step.to_plain(), exact, metrics, model, new_model, planned_params, sharding.union_ranks(structure + problems))
         record["provenance"] = _provenance_summary(growth.provenance)
         records.append(record)
         if record["problems"]:
@@ -210,6 +213,7 @@ def apply_growth(
         args = {"ops": [s.op for s in steps]}
         if dyn.on:
             problems += dyn.check_transition([s.op for s in steps], exact, start_model, start_state, model, optimizer_state, probe, invariance_cfg, metrics)
+        problems = sharding.union_ranks(problems)
         record = _record(stage_name, stage_index, len(steps), "transition", args, exact, metrics, start_model, model, planned_params, problems)
         records.append(record)
         if problems:
@@ -305,8 +309,8 @@ def _record(stage_name, stage_index, index, operator, args, exact, metrics, old_
         "exact": exact,
         "passed": not problems,
         "metrics": metrics,
-        "params_before": old_model.num_parameters(),
-        "params_after": new_model.num_parameters(),
+        "params_before": sharding.count_parameters(old_model),
+        "params_after": sharding.count_parameters(new_model),
         "planned_params": planned_params,
         "problems": problems,
     }

@@ -32,7 +32,9 @@ import time
 import torch
 
 from growtrain.kernels.nf4_reference import NF4_BLOCKSIZE, bitsandbytes_functional, dequantize_nf4_bitsandbytes
+from growtrain.expert_shards import is_expert_tensor
 from growtrain.model.nf4 import MATRICES, NF4Experts, stored_layout
+from growtrain.stages import sharding
 from growtrain.stages.registry import Growth, Provenance
 
 _EXPERT = re.compile(r"^blocks\.(\d+)\.g\.ffn\.experts\.(w_gate|w_up|w_down)$")
@@ -45,19 +47,23 @@ def value_check(op_name: str, args, old_model, growth: Growth) -> tuple[dict, li
     old = dict(old_model.named_parameters())
     new = dict(growth.model.named_parameters())
     problems: list[str] = []
-    checked = perturbed = 0
+    counts = {False: [0, 0], True: [0, 0]}  # (checked, perturbed) of replicated tensors / of expert shards
     worst = 0.0
     with torch.no_grad():
         for name, prov in growth.provenance.items():
             if prov.kind != "copy" or name not in new or prov.source not in old:
                 continue
             n, p, diff, found = _copy_problems(name, prov, old[prov.source].detach(), new[name].detach())
-            checked, perturbed, worst = checked + n, perturbed + p, max(worst, diff)
+            mine = counts[is_expert_tensor(name)]
+            mine[0], mine[1], worst = mine[0] + n, mine[1] + p, max(worst, diff)
             problems += found
         problems += _redraw_problems(op_name, args, old_model, growth)
         problems += nf4_problems(growth.model)
         if op_name in ("quantize_experts", "merge_adapters"):
             problems += quantization_error_problems(old_model, growth.model, merged_source=op_name == "merge_adapters")
+    # On expert shards: counts summed over the ranks, the worst difference their maximum.
+    checked, perturbed = (int(x) + d for x, d in zip(sharding.sum_ranks(*counts[True]), counts[False]))
+    worst = sharding.max_ranks(worst)[0]
     metrics = {"elements": checked, "perturbed": perturbed, "max_abs_diff": worst, "seconds": time.perf_counter() - t0}
     return metrics, problems
 
@@ -101,16 +107,25 @@ def _copy_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Te
                 f"values: {int(over.sum())} of {n_noisy} perturbed element(s) of {name} move by up to {float(delta[noisy].max()):.3g}, "
                 f"beyond the operator's declared bound {prov.perturb_bound:.3g}"
             )
-    problems += _copies_problems(name, prov, old, new, copied)
+    problems += _copies_problems(name, prov, old, new, copied, sharded=is_expert_tensor(name) and sharding.current() is not None)
     return int(keep.sum()), n_noisy, worst, problems
 
 
-def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Tensor, keep: torch.Tensor) -> list[str]:
-    """S derived from the transform and β against the declared S, on the kept elements."""
-    index_dtype = torch.int32 if old.numel() < 2**31 else torch.int64
-    index = prov.transform(torch.arange(old.numel(), dtype=index_dtype, device=old.device).view(old.shape)).long()
+def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Tensor, keep: torch.Tensor, sharded: bool = False) -> list[str]:
+    """S derived from the transform and β against the declared S, on the kept elements.
+
+    sharded: `old` is this rank's block of an expert tensor (expert shards, rank r of W): its
+    elements are numbered globally, their copies may sit on other ranks, and the sums per source
+    element are summed over the ranks (a float64 vector of the whole tensor's size, one tensor at a time)."""
+    ep = sharding.current() if sharded else None
+    total = old.numel() * (ep.size if ep is not None else 1)
+    first = old.numel() * (ep.rank if ep is not None else 0)
+    index_dtype = torch.int32 if total < 2**31 else torch.int64
+    index = prov.transform(torch.arange(first, first + old.numel(), dtype=index_dtype, device=old.device).view(old.shape)).long()
     beta = _full(prov.beta, new, torch.float64)
-    sums = torch.zeros(old.numel(), dtype=torch.float64, device=old.device).index_add_(0, index[keep], beta[keep])
+    sums = torch.zeros(total, dtype=torch.float64, device=old.device).index_add_(0, index[keep], beta[keep])
+    if ep is not None:
+        sums = sharding.sum_tensor(sums)
     derived = sums[index]
     declared = _full(prov.copies, new, torch.float64)
     off = (derived - declared).abs() > S_RTOL * derived.abs().clamp_min(1.0)
@@ -144,15 +159,16 @@ def _redraw_problems(op_name: str, args, old_model, growth: Growth) -> list[str]
         F = param.shape[hidden_dim]
         want = round(fraction * F)
         fresh = prov.fresh if prov.fresh is not None else torch.zeros(param.shape, dtype=torch.bool)
-        per_neuron = fresh.any(dim=3 - hidden_dim)  # [E, F]
+        per_neuron = fresh.any(dim=3 - hidden_dim)  # [E, F] (this rank's experts, on expert shards)
         counts = per_neuron.sum(1)
+        lo, _ = sharding.local_range(growth.model.config.moe.num_experts)
         expected = torch.full_like(counts, want)
-        expected[:skip_first] = 0
+        expected[torch.arange(lo, lo + len(counts)) < skip_first] = 0
         wrong = (counts != expected).nonzero().flatten().tolist()
         if wrong:
             e = wrong[0]
             problems.append(
-                f"values: {name}: {len(wrong)} expert(s) redraw another number of neurons than declared (expert {e}: "
+                f"values: {name}: {len(wrong)} expert(s) redraw another number of neurons than declared (expert {lo + e}: "
                 f"{int(counts[e])} of {F}, declared {int(expected[e])} = round({fraction:g} x {F})"
                 + (", none for a clone's first copy" if skip_first else "") + ")"
             )
@@ -201,8 +217,8 @@ def quantization_error_problems(old_model, new_model, merged_source: bool) -> li
                                                          quant_type="nf4", compress_statistics=double_quant)).reshape(w.shape)
                 for w in stored
             ])
-            reference = float((stored - round_trip).double().norm())
-            got = float((full - experts.merged(m)).double().norm())
+            # On expert shards: the norms over every rank's experts.
+            reference, got = (v**0.5 for v in sharding.sum_ranks(float((stored - round_trip).double().pow(2).sum()), float((full - experts.merged(m)).double().pow(2).sum())))
             if got > reference * (1 + NF4_ERROR_RTOL) + 1e-12:
                 problems.append(
                     f"values: {prefix}.{m}: the quantized experts are {got / max(reference, 1e-30):.3g}x as far from the "

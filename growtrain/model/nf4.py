@@ -87,7 +87,7 @@ def dequantize_stack(stack: NF4Stack, experts: list[int] | None = None) -> torch
 # Exact manipulations (no requantization): what split / clone / scale operators use
 
 
-def _per_expert(stack: NF4Stack, fn) -> dict:
+def nf4_per_expert(stack: NF4Stack, fn) -> dict:
     """fn applied to every per-expert tensor of the stack (the shared code books stay)."""
     out = {"codes_EP": fn(stack.codes_EP), "absmax_EA": fn(stack.absmax_EA)}
     if stack.double_quant:
@@ -100,7 +100,7 @@ def nf4_take_experts(stack: NF4Stack, index_K: torch.Tensor | list[int]) -> NF4S
     """The experts at `index_K`, in that order, repeats allowed (cloning): always bit-exact, since
     each expert's matrix carries its own quantization state."""
     index_K = torch.as_tensor(index_K, dtype=torch.long, device=stack.codes_EP.device)
-    return replace(stack, **_per_expert(stack, lambda t: t.index_select(0, index_K)))
+    return replace(stack, **nf4_per_expert(stack, lambda t: t.index_select(0, index_K)))
 
 
 def nf4_cat_experts(stacks: list[NF4Stack]) -> NF4Stack:
@@ -111,7 +111,7 @@ def nf4_cat_experts(stacks: list[NF4Stack]) -> NF4Stack:
             raise ValueError("nf4_cat_experts: the stacks differ in shape or format")
         if not torch.equal(s.quant_map, first.quant_map) or (first.double_quant and not torch.equal(s.nested_quant_map, first.nested_quant_map)):
             raise ValueError("nf4_cat_experts: the stacks use different code books")
-    fields = _per_expert(first, lambda t: t).keys()
+    fields = nf4_per_expert(first, lambda t: t).keys()
     return replace(first, **{f: torch.cat([getattr(s, f) for s in stacks]) for f in fields})
 
 
@@ -301,7 +301,7 @@ class NF4Experts(nn.Module):
                 f"{m}: an NF4 stack of {stack.num_experts} x [{stack.rows}, {stack.cols}] (double quant {stack.double_quant}) does not fit "
                 f"{self.num_experts} x [{self.hidden}, {self.d_model}] (double quant {self.double_quant})"
             )
-        for part, value in _per_expert(stack, lambda t: t).items():
+        for part, value in nf4_per_expert(stack, lambda t: t).items():
             name = {"codes_EP": "codes", "absmax_EA": "absmax", "nested_absmax_EM": "nested_absmax", "offset_E": "offset"}[part]
             getattr(self, f"{m}_{name}").copy_(value)
         self.quant_map.copy_(stack.quant_map)
@@ -350,7 +350,7 @@ def stack_state(m: str, stack: NF4Stack) -> dict[str, torch.Tensor]:
     """The NF4Experts buffers (names relative to the experts module) that hold matrix m's `stack`,
     plus the shared code books: what an operator writes into a state dict for `materialize`."""
     names = {"codes_EP": "codes", "absmax_EA": "absmax", "nested_absmax_EM": "nested_absmax", "offset_E": "offset"}
-    out = {f"{m}_{names[k]}": v.contiguous() for k, v in _per_expert(stack, lambda t: t).items()}
+    out = {f"{m}_{names[k]}": v.contiguous() for k, v in nf4_per_expert(stack, lambda t: t).items()}
     out["quant_map"] = stack.quant_map
     if stack.double_quant:
         out["nested_quant_map"] = stack.nested_quant_map
@@ -373,11 +373,16 @@ def state_stack(m: str, state: dict[str, torch.Tensor], rows: int, cols: int) ->
     )
 
 
-def fresh_adapters(matrix: str, num_experts: int, d_model: int, hidden: int, r: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) as `NF4Experts.reset_adapters` draws them, drawn on the CPU (the same draws whatever
-    the device) and put on `like`'s device and dtype."""
+def fresh_adapters(matrix: str, experts_E: torch.Tensor, d_model: int, hidden: int, r: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) for the experts of global indices `experts_E`, A ~ U(±1/sqrt(d_in)) as
+    `NF4Experts.reset_adapters` draws it, B = 0. Each expert's A comes from a generator of its own
+    keyed by its index (and one draw of the seeded RNG), on the CPU: the same numbers whatever the
+    device and whichever expert-parallel rank draws them (stages/sharding.py). Put on `like`'s
+    device and dtype."""
+    from growtrain.stages.sharding import draw_key, expert_uniform
+
     d_in, d_out = lora_dims(matrix, d_model, hidden)
     bound = 1.0 / math.sqrt(d_in)
-    A = (torch.rand(num_experts, r, d_in) * 2 - 1) * bound
-    B = torch.zeros(num_experts, d_out, r)
+    A = (expert_uniform((r, d_in), experts_E, draw_key()) * 2 - 1) * bound
+    B = torch.zeros(len(experts_E), d_out, r)
     return A.to(device=like.device, dtype=like.dtype), B.to(device=like.device, dtype=like.dtype)

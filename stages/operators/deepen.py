@@ -70,7 +70,11 @@ def apply(model, args: DeepenArgs) -> Growth:
     old_to_new, inserted = _index_maps(old_cfg, _positions(old_cfg, args))
     new_to_old = {n: o for o, n in old_to_new.items()}
     old = model.state_dict()
-    new = fresh_state(new_cfg, model)
+    if args.init == "copy":  # every tensor is carried, copied or zeroed below: no random init to build
+        with torch.device("meta"):
+            new = dict.fromkeys(type(model)(new_cfg).state_dict())
+    else:
+        new = fresh_state(new_cfg, model)
     params = {n for n, _ in model.named_parameters()}
     provenance: dict[str, Provenance] = {}
     for name in list(new):
@@ -103,4 +107,14 @@ def apply(model, args: DeepenArgs) -> Growth:
     return Growth(materialize(new_cfg, new), provenance, blocks=new_to_old)
 
 
-register(Operator("deepen", True, "Insert identity blocks (zero output projections) after given blocks.", DeepenArgs, plan, apply))
+register(
+    Operator(
+        "deepen",
+        True,
+        "Insert identity blocks (zero output projections) after given blocks.",
+        DeepenArgs,
+        plan,
+        apply,
+        shards=lambda args: args.init == "copy",  # a copied block's experts are the rank's own; fresh ones would be drawn whole
+    )
+)

@@ -71,8 +71,9 @@ import torch
 
 from growtrain.kernels.nf4_reference import NESTED_BLOCKSIZE, NF4_BLOCKSIZE
 from growtrain.model.config import ModelConfig
-from growtrain.model.nf4 import MATRICES, nf4_cat_experts, nf4_scale, nf4_slice_rows, nf4_take_experts, row_slice_problem, stack_state
+from growtrain.model.nf4 import MATRICES, nf4_cat_experts, nf4_per_expert, nf4_scale, nf4_slice_rows, nf4_take_experts, row_slice_problem, stack_state
 from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
+from growtrain.stages.sharding import children_to_owners, local_range
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -168,11 +169,13 @@ def _bias_scale(moe, children: int) -> float:
     return 1.0 / children if moe.score_func == "softmax" else 1.0
 
 
-def _split_transform(what: str, f: int):
+def _split_transform(what: str, f: int, E: int):
+    """How a split builds each tensor from its parent: expert tensors in local child order, then
+    moved to the ranks that hold the children (stages/sharding.py); router rows (replicated) tiled."""
     if what in ("w_gate", "w_up"):  # [E, F, D] -> [f·E, F/f, D], child j·E + e = slice j of e
-        return lambda t: t.unflatten(1, (f, -1)).transpose(0, 1).flatten(0, 1)
+        return lambda t: children_to_owners(t.unflatten(1, (f, -1)).transpose(0, 1).flatten(0, 1), f, E)
     if what == "w_down":  # [E, D, F] -> [f·E, D, F/f]
-        return lambda t: t.unflatten(2, (f, -1)).permute(2, 0, 1, 3).flatten(0, 1)
+        return lambda t: children_to_owners(t.unflatten(2, (f, -1)).permute(2, 0, 1, 3).flatten(0, 1), f, E)
     return lambda t: t.repeat((f,) + (1,) * (t.ndim - 1))  # router rows, balance bias
 
 
@@ -190,7 +193,7 @@ def apply_split(model, args: SplitExpertsArgs) -> Growth:
         what = where[1]
         if is_nf4(old_cfg) and not what.startswith("router."):
             continue  # _split_nf4 below
-        transform = _split_transform(what, f)
+        transform = _split_transform(what, f, E)
         beta = float(f) if what == "w_down" else 1.0
         new[name] = transform(w) * beta if beta != 1.0 else transform(w)
         if what == "router.balance_bias":
@@ -199,7 +202,7 @@ def apply_split(model, args: SplitExpertsArgs) -> Growth:
             provenance[name] = Provenance("copy", name, transform, copies=1.0 if what in ("w_gate", "w_up") else float(f), beta=beta)
     if is_nf4(old_cfg):
         for b in moe_blocks(old_cfg):
-            _split_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", f, new, provenance)
+            _split_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", f, E, new, provenance)
     parent = torch.arange(f * E) % E
     notes = [f"split_experts ×{f}: {p}" for p in selection_tie_problems(model)]
     return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)}, notes=notes)
@@ -239,27 +242,27 @@ def _tile(f: int):
     return lambda t: t.repeat((f,) + (1,) * (t.ndim - 1))  # child j·E + e = e
 
 
-def _split_nf4(experts, prefix: str, f: int, new: dict, provenance: dict) -> None:
+def _split_nf4(experts, prefix: str, f: int, E: int, new: dict, provenance: dict) -> None:
     """An NF4Experts module's children (see the module docstring), written into `new` under `prefix`."""
     rows = experts.hidden // f
     for m in MATRICES:
         children = nf4_cat_experts([nf4_slice_rows(experts.stack(m), j * rows, (j + 1) * rows) for j in range(f)])
         if m == "w_down":
             children = nf4_scale(children, float(f))
-        new.update({prefix + k: v for k, v in stack_state(m, children).items()})
+        new.update({prefix + k: v for k, v in stack_state(m, _to_owners(children, f, E)).items()})
         # The factor indexed by the neurons is sliced (gate/up B's rows, down A's columns: the
         # transforms of the full-precision w_gate and w_down); the other is shared by the children.
         for part, neurons in (("A", m == "w_down"), ("B", m != "w_down")):
             name = prefix + f"{m}_lora_{part}"
             w = getattr(experts, f"{m}_lora_{part}").detach()
             if neurons:
-                transform = _split_transform("w_down" if m == "w_down" else "w_gate", f)
+                transform = _split_transform("w_down" if m == "w_down" else "w_gate", f, E)
                 beta = float(f) if m == "w_down" else 1.0
                 new[name] = transform(w) * beta if beta != 1.0 else transform(w)
                 provenance[name] = Provenance("copy", name, transform, copies=beta, beta=beta)
             else:
-                new[name] = _tile(f)(w)
-                provenance[name] = Provenance("copy", name, _tile(f), copies=float(f), beta=1.0)
+                new[name] = _children(f, E)(w)
+                provenance[name] = Provenance("copy", name, _children(f, E), copies=float(f), beta=1.0)
 
 
 # ---------------------------------------------------------------- clone_experts
@@ -286,9 +289,12 @@ def apply_clone(model, args: CloneExpertsArgs) -> Growth:
     E, F = old_cfg.moe.num_experts, old_cfg.moe.expert_hidden
     parent = torch.arange(m * E) % E
     first = torch.arange(m * E) < E
+    lo, hi = local_range(m * E)  # the grown experts this rank holds (all of them in one process)
     params = {n for n, _ in model.named_parameters()}
     tile = _tile(m)
+    children = _children(m, E)
     nf4 = is_nf4(old_cfg)
+    # Drawn for every expert on every rank (an [mE, F] mask per layer), so the same whatever the EP size.
     redraw = {} if nf4 else {b: pick_neurons(m * E, F, args.reinit_fraction, skip=first) for b in moe_blocks(old_cfg)}
     new, provenance = {}, {}
     for name, w in model.state_dict().items():
@@ -297,8 +303,8 @@ def apply_clone(model, args: CloneExpertsArgs) -> Growth:
             carry(name, w, params, new, provenance)
             continue
         block, what = where
-        grown = tile(w)
-        if what.startswith("router."):
+        if what.startswith("router."):  # replicated: every rank grows all of its rows
+            grown = tile(w)
             noisy, bound = None, 0.0
             if what == "router.weight" and args.router_noise > 0:
                 rms = w.double().pow(2).mean().sqrt().item()
@@ -317,24 +323,38 @@ def apply_clone(model, args: CloneExpertsArgs) -> Growth:
         if nf4:
             continue  # _clone_nf4 below
         hidden_dim = 1 if what in ("w_gate", "w_up") else 2
-        grown, fresh = redraw_neurons(grown, redraw[block], hidden_dim)
+        grown, fresh = redraw_neurons(children(w), redraw[block][lo:hi], hidden_dim, torch.arange(lo, hi))
         new[name] = grown
-        copies = along_hidden(sibling_copies(~redraw[block], parent, E), grown.shape, hidden_dim)
-        provenance[name] = Provenance("copy", name, tile, copies=copies, beta=1.0, fresh=fresh)
+        copies = along_hidden(sibling_copies(~redraw[block], parent, E)[lo:hi], grown.shape, hidden_dim)
+        provenance[name] = Provenance("copy", name, children, copies=copies, beta=1.0, fresh=fresh)
     if nf4:
         for b in moe_blocks(old_cfg):
-            _clone_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", m, parent, new, provenance)
+            _clone_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", m, E, new, provenance)
     return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)})
 
 
-def _clone_nf4(experts, prefix: str, m: int, parent, new: dict, provenance: dict) -> None:
+def _children(m: int, E: int):
+    """An expert tensor's m-fold copies in the round-robin layout (child j·E + e of parent e), on
+    the ranks that hold them: tiled locally, then moved (stages/sharding.py)."""
+    return lambda t: children_to_owners(_tile(m)(t), m, E)
+
+
+def _clone_nf4(experts, prefix: str, m: int, E: int, new: dict, provenance: dict) -> None:
     """An NF4Experts module's m-fold clones: codes, quantization state and adapters copied."""
+    L = experts.num_experts  # held here: E, or E / W on expert shards
+    local_parent = torch.arange(m * L) % L
     for mtx in MATRICES:
-        new.update({prefix + k: v for k, v in stack_state(mtx, nf4_take_experts(experts.stack(mtx), parent)).items()})
+        stack = _to_owners(nf4_take_experts(experts.stack(mtx), local_parent), m, E)
+        new.update({prefix + k: v for k, v in stack_state(mtx, stack).items()})
         for part in ("A", "B"):
             name = prefix + f"{mtx}_lora_{part}"
-            new[name] = _tile(m)(getattr(experts, f"{mtx}_lora_{part}").detach())
-            provenance[name] = Provenance("copy", name, _tile(m), copies=float(m), beta=1.0)
+            new[name] = _children(m, E)(getattr(experts, f"{mtx}_lora_{part}").detach())
+            provenance[name] = Provenance("copy", name, _children(m, E), copies=float(m), beta=1.0)
+
+
+def _to_owners(stack, m: int, E: int):
+    """An NF4 stack of children in local order, moved to the ranks that hold them."""
+    return replace(stack, **nf4_per_expert(stack, lambda t: children_to_owners(t, m, E)))
 
 
 register(
@@ -348,6 +368,7 @@ register(
         SplitExpertsArgs,
         plan_split,
         apply_split,
+        shards=True,
     )
 )
 register(
@@ -360,5 +381,6 @@ register(
         CloneExpertsArgs,
         plan_clone,
         apply_clone,
+        shards=True,
     )
 )

@@ -28,6 +28,7 @@ from growtrain.model.dense_lora import refuse_peft_wrapped
 from growtrain.model.nf4 import MATRICES, fresh_adapters, quantize_stack, stack_state, stored_layout
 from growtrain.stages.common import carry, materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
+from growtrain.stages.sharding import local_range
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _fill_experts(new, provenance, prefix, bases: dict[str, torch.Tensor], sourc
     for m in MATRICES:
         stack = quantize_stack(stored_layout(m, bases[m]).to(like.device), moe.double_quant)
         new.update({prefix + k: v for k, v in stack_state(m, stack).items()})
-        A, B = fresh_adapters(m, moe.num_experts, cfg.d_model, moe.expert_hidden, moe.lora.r, like)
+        A, B = fresh_adapters(m, torch.arange(*local_range(moe.num_experts)), cfg.d_model, moe.expert_hidden, moe.lora.r, like)
         new[prefix + f"{m}_lora_A"], new[prefix + f"{m}_lora_B"] = A, B
         src_a, src_b = sources[m]
         provenance[prefix + f"{m}_lora_A"] = Provenance("reset", src_a)
@@ -122,6 +123,7 @@ register(
         QuantizeExpertsArgs,
         plan_quantize,
         apply_quantize,
+        shards=True,  # each expert is quantized on its own and draws its own adapter
     )
 )
 register(
@@ -133,5 +135,6 @@ register(
         MergeAdaptersArgs,
         plan_merge,
         apply_merge,
+        shards=True,
     )
 )

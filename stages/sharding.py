@@ -1,0 +1,227 @@
+"""Growth on expert shards (issue 14, DESIGN.md §15): under expert parallelism each rank grows only
+what it holds, the dense parts (replicated) identically everywhere and the routed experts of its
+own range, instead of gathering the whole model first.
+
+An operator that declares `shards` (registry.Operator) runs unchanged on the sharded model inside
+`sharded(ep)`: `model.state_dict()` then holds this rank's E/W experts of every expert tensor and
+the full replicated rest, and the operator asks this module where it is:
+- `local_range(E)`: the global indices of the rows it holds;
+- `children_to_owners(t, m, E)`: an operator whose layout sends the children of this rank's
+  parents elsewhere (split and clone: child j of parent e is expert j·E + e, round-robin) builds
+  them in local order, child j of local parent l at row j·L + l, and this one all-to-all moves
+  every child row to the rank that holds it in the new layout. Used inside `Provenance.transform`,
+  so the optimizer state, masks and the checks' references travel the same way: each
+  call is a collective, which every rank makes, in the same order, for the same tensors;
+- `expert_normal(...)`: random draws of one expert's rows from a generator of its own, keyed by
+  its global index, so a grown model is the same whatever the EP size;
+- the checks' reductions (`sum_ranks`, `any_ranks`, `union_ranks`, ...): verdicts and counts
+  taken over all ranks, so that every rank reaches the same verdict (a rank that stopped alone
+  would leave the others waiting in a collective).
+Outside `sharded(...)` every helper is the single-process identity.
+
+Legend: E experts of a layer before growth, L = E / W local experts, m children per parent,
+W ranks, r this rank.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+_EP: contextvars.ContextVar = contextvars.ContextVar("growtrain_growth_ep", default=None)
+
+
+@contextmanager
+def sharded(ep):
+    """Growth inside runs on expert shards of the group `ep` (model.expert_parallel.EPGroup)."""
+    token = _EP.set(ep)
+    try:
+        yield
+    finally:
+        _EP.reset(token)
+
+
+def current():
+    """The EP group growth runs sharded over, or None (one process, or gathered growth)."""
+    return _EP.get()
+
+
+def local_range(num_experts: int) -> tuple[int, int]:
+    ep = current()
+    return ep.experts(num_experts) if ep is not None else (0, num_experts)
+
+
+def _device() -> torch.device:
+    """Where collective tensors go: NCCL takes CUDA tensors only."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def children_to_owners(t: torch.Tensor, m: int, num_experts: int) -> torch.Tensor:
+    """Rows in local child order (row j·L + l: child j of this rank's l-th parent, global expert
+    j·E + r·L + l) → this rank's rows of the grown layout (global experts [r·mL, (r+1)·mL), in
+    order), by one all-to-all. The identity in one process (there the local order is the global one)."""
+    ep = current()
+    if ep is None or ep.size == 1:
+        return t
+    W, r, E = ep.size, ep.rank, num_experts
+    L = E // W
+    n = m * L  # rows per rank, before and after
+    if t.shape[0] != n:
+        raise ValueError(f"children_to_owners: {t.shape[0]} rows, expected {m} children of {L} local experts")
+    j = torch.arange(m).repeat_interleave(L)
+    child = j * E + r * L + torch.arange(L).repeat(m)  # global index of each local row
+    dest = child // n
+    send_order = torch.argsort(dest * (m * E) + child)  # by destination, then global index
+    send_counts = torch.bincount(dest, minlength=W).tolist()
+    mine = torch.arange(r * n, (r + 1) * n)  # the global experts this rank holds after
+    src = (mine % E) // L  # the rank that held each one's parent
+    recv_counts = torch.bincount(src, minlength=W).tolist()
+    recv_order = torch.argsort(src * (m * E) + mine)  # arrival order: by source, then global index
+    device, dtype = t.device, t.dtype
+    wire = t.to(torch.uint8) if dtype == torch.bool else t  # gloo has no bool
+    flat = wire.reshape(n, -1)[send_order.to(device)].to(_device()).contiguous()
+    got = torch.empty_like(flat)
+    dist.all_to_all_single(got, flat, recv_counts, send_counts)
+    out = torch.empty_like(got)
+    out[recv_order.to(got.device)] = got
+    out = out.to(device).reshape(t.shape)
+    return out.to(torch.bool) if dtype == torch.bool else out
+
+
+def expert_normal(shape_per_expert: tuple[int, ...], experts: torch.Tensor, key: int) -> torch.Tensor:
+    """[len(experts), *shape_per_expert] float64 standard normal draws, each expert's from its own
+    generator seeded by (key, global index): the same numbers whichever rank draws them."""
+    out = torch.empty((len(experts), *shape_per_expert), dtype=torch.float64)
+    for i, e in enumerate(experts.tolist()):
+        g = torch.Generator().manual_seed(_mix(key, e))
+        out[i] = torch.randn(shape_per_expert, dtype=torch.float64, generator=g)
+    return out
+
+
+def expert_uniform(shape_per_expert: tuple[int, ...], experts: torch.Tensor, key: int) -> torch.Tensor:
+    """As expert_normal, U[0, 1) draws in float32."""
+    out = torch.empty((len(experts), *shape_per_expert), dtype=torch.float32)
+    for i, e in enumerate(experts.tolist()):
+        g = torch.Generator().manual_seed(_mix(key, e))
+        out[i] = torch.rand(shape_per_expert, generator=g)
+    return out
+
+
+def draw_key() -> int:
+    """A key for expert_normal / expert_uniform from the current (seeded) RNG: one draw, the same
+    on every rank, so the operator's later draws stay in step across ranks too."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def _mix(key: int, index: int) -> int:
+    digest = hashlib.blake2b(f"{key}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+# ---------------------------------------------------------------- reductions over ranks
+
+
+def _active() -> bool:
+    ep = current()
+    return ep is not None and ep.size > 1
+
+
+def sum_ranks(*values: float) -> list[float]:
+    """Each value summed over the ranks (one all-reduce), in float64."""
+    if not _active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def max_ranks(*values: float) -> list[float]:
+    if not _active():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def any_ranks(flag: bool) -> bool:
+    """True when `flag` holds on some rank: for a decision that leads to collectives."""
+    if not _active():
+        return bool(flag)
+    return max_ranks(float(bool(flag)))[0] > 0
+
+
+def all_ranks(flag: bool) -> bool:
+    return not any_ranks(not flag)
+
+
+def any_elements(mask: torch.Tensor | None) -> bool:
+    """Whether a (sharded) mask has a True element on some rank."""
+    return any_ranks(mask is not None and bool(mask.any()))
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable, no tensors: NCCL would move them through the host), in rank order."""
+    if not _active():
+        return [obj]
+    every: list = [None] * current().size
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def union_ranks(problems: list[str]) -> list[str]:
+    """Every rank's problems, in rank order, each once."""
+    if not _active():
+        return list(problems)
+    return list(dict.fromkeys(p for ps in gather_objects(list(problems)) for p in ps))
+
+
+def sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over the ranks (a copy; `t` unchanged)."""
+    if not _active():
+        return t
+    out = t.to(_device()).clone()
+    dist.all_reduce(out)
+    return out.to(t.device)
+
+
+def count_parameters(model) -> int:
+    """The model's parameter count: the replicated ones once, the expert shards summed over ranks."""
+    from growtrain.expert_shards import is_expert_tensor
+
+    dense = sum(p.numel() for n, p in model.named_parameters() if not is_expert_tensor(n))
+    experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_tensor(n))
+    return dense + int(sum_ranks(float(experts))[0])
+
+
+def clip_grad_norm(opt, max_norm: float) -> float:
+    """`opt.clip_grad_norm(max_norm)` of a model on expert shards whose replicated parameters have
+    the same gradient on every rank: the global norm counts those once and every rank's expert
+    shards (their squares weighted 1/W, then summed over the ranks)."""
+    if not _active():
+        return opt.clip_grad_norm(max_norm)
+    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.optim import clip_grad_norm_
+
+    W = current().size
+    names, stored = list(opt.params), opt._stored()
+    weights = [stored[n].norm_mult if is_expert_tensor(n) else stored[n].norm_mult / W for n in names]
+    return float(clip_grad_norm_([opt.params[n] for n in names], max_norm, weights, sum_tensor))
+
+
+def expert_grads_per_rank(named: dict) -> None:
+    """After a backward of the same batch on every rank: an expert's gradient is the sum of every
+    rank's tokens' contributions (the all-to-all's backward), W times one process's; divided here."""
+    if not _active():
+        return
+    from growtrain.expert_shards import is_expert_tensor
+
+    W = current().size
+    for n, p in named.items():
+        if p.grad is not None and is_expert_tensor(n):
+            p.grad.div_(W)
