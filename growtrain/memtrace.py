@@ -33,13 +33,13 @@ def live_storage_bytes() -> int:
     """Bytes of every distinct storage held by a tensor object alive now (meta tensors excluded)."""
     seen, total = set(), 0
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+        if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":  # type(): no proxy's __class__
             continue
         try:
             st = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+            key = (st.data_ptr(), st.device)
+        except (RuntimeError, NotImplementedError):  # fake and functional tensors have no data
             continue
-        key = (st.data_ptr(), st.device)
         if key in seen or st.nbytes() == 0:
             continue
         seen.add(key)

@@ -11,6 +11,7 @@ run's losses and weights bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -29,6 +30,7 @@ from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointMa
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
 from growtrain.distributed import Dist, is_peer_failure, world_size_problems
 from growtrain.expert_shards import is_expert_tensor
+from growtrain import memtrace
 from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
@@ -526,12 +528,14 @@ class Run:
                     pos = Position(pos.stage + 1, 0, pos.global_step, pos.tokens, pos.bad_steps)
                     continue
                 if not pos.grown:
-                    self._grow(pos, stage, shapes[pos.stage], probe)
+                    with memtrace.phase(stage.name, "growth", self.dist.rank) if stage.grow else contextlib.nullcontext():
+                        self._grow(pos, stage, shapes[pos.stage], probe)
                     pos.grown = True
                     if stage.grow and recipe.checkpoint.after_growth:
                         # A crash early in the stage resumes here, not before the growth.
                         self.save(pos, stage_end=False, grown=True)
-                self._train_stage(pos, stage, corpus)
+                with memtrace.phase(stage.name, "train", self.dist.rank):  # GROWTRAIN_MEMORY_TRACE only
+                    self._train_stage(pos, stage, corpus)
                 pos = Position(pos.stage + 1, 0, pos.global_step, pos.tokens, pos.bad_steps)
             exit_code = 0
         finally:

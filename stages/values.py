@@ -107,24 +107,26 @@ def _copy_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Te
                 f"values: {int(over.sum())} of {n_noisy} perturbed element(s) of {name} move by up to {float(delta[noisy].max()):.3g}, "
                 f"beyond the operator's declared bound {prov.perturb_bound:.3g}"
             )
-    problems += _copies_problems(name, prov, old, new, copied, sharded=is_expert_tensor(name) and sharding.current() is not None)
+    on_shards = sharding.current() is not None
+    problems += _copies_problems(name, prov, old, new, copied, on_shards and is_expert_tensor(prov.source), on_shards and is_expert_tensor(name))
     return int(keep.sum()), n_noisy, worst, problems
 
 
-def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Tensor, keep: torch.Tensor, sharded: bool = False) -> list[str]:
+def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Tensor, keep: torch.Tensor, source_sharded: bool = False, copies_sharded: bool = False) -> list[str]:
     """S derived from the transform and β against the declared S, on the kept elements.
 
-    sharded: `old` is this rank's block of an expert tensor (expert shards, rank r of W): its
-    elements are numbered globally, their copies may sit on other ranks, and the sums per source
-    element are summed over the ranks (a float64 vector of the whole tensor's size, one tensor at a time)."""
-    ep = sharding.current() if sharded else None
-    total = old.numel() * (ep.size if ep is not None else 1)
-    first = old.numel() * (ep.rank if ep is not None else 0)
+    On expert shards (rank r of W): a sharded source (`old` is this rank's block of an expert
+    tensor) has its elements numbered globally; the copies of a sharded target may sit on other
+    ranks, so the sums per source element are summed over the ranks (a float64 vector of the
+    source's whole size, one tensor at a time)."""
+    ep = sharding.current()
+    W, r = (ep.size, ep.rank) if ep is not None and source_sharded else (1, 0)
+    total, first = old.numel() * W, old.numel() * r
     index_dtype = torch.int32 if total < 2**31 else torch.int64
     index = prov.transform(torch.arange(first, first + old.numel(), dtype=index_dtype, device=old.device).view(old.shape)).long()
     beta = _full(prov.beta, new, torch.float64)
     sums = torch.zeros(total, dtype=torch.float64, device=old.device).index_add_(0, index[keep], beta[keep])
-    if ep is not None:
+    if copies_sharded:
         sums = sharding.sum_tensor(sums)
     derived = sums[index]
     declared = _full(prov.copies, new, torch.float64)

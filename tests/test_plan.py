@@ -5,6 +5,7 @@ the command line's presets and errors."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,8 @@ from growtrain.planning import (
     get_hardware,
     plan_recipe,
 )
-from growtrain.recipe import OptimizerConfig, load_recipe
-from growtrain.stages import plan_stage_models
+from growtrain.recipe import GrowthStep, OptimizerConfig, load_recipe
+from growtrain.stages import get_operator, plan_stage_models
 from growtrain.train import forward_loss
 
 from conftest import run_cli
@@ -264,7 +265,7 @@ STAGE_KEYS = [
     "steps", "tokens", "tokens_cumulative", "memory", "per_gpu_bytes", "capacity_bytes", "headroom", "fits",
     "max_micro_batch", "activations_detail", "step_time_s", "micro_batch_time_s", "dense_phase_s", "expert_phase_s",
     "all_to_all_s", "optimizer_s", "grad_sync_s", "bound", "tokens_per_step", "tokens_per_s", "mfu",
-    "model_flops_per_token", "stage_time_s", "growth_peak_bytes",
+    "model_flops_per_token", "stage_time_s", "growth_peak_bytes", "growth_peak_bytes_per_rank",
 ]
 MEMORY_KEYS = ["weights", "weights_total", "gradients", "optimizer", "activations", "workspace", "communication", "runtime_reserve", "total"]
 AF_KEYS = ["applicable", "stage", "gpus", "nodes", "tokens_per_step", "splits", "best", "best_fits", "colocated_step_time_s", "speedup_vs_colocated"]
@@ -362,3 +363,30 @@ def test_plan_of_a_missing_recipe_or_a_bad_flag_exits_2(tmp_path, capsys):
 def test_a_stage_over_capacity_exits_1_and_says_so(capsys):
     assert main(["plan", str(BIG), "--capacity-gb", "20"]) == 1
     assert "OVER" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Growth per rank (issue 14)
+
+
+def test_growth_on_expert_shards_holds_less_per_rank_than_one_process_and_a_gathering_stage_does_not(big_plan, tmp_path):
+    grown = [s for s in big_plan.stages if s.growth_peak_bytes]
+    assert [s.name for s in grown] == ["moe", "wide", "experts"]
+    for s in grown:  # every operator of the 120B recipe grows expert shards
+        assert 0 < s.growth_peak_bytes_per_rank < s.growth_peak_bytes, s.name
+    assert all(s.growth_peak_bytes_per_rank == 0 for s in big_plan.stages if not s.growth_peak_bytes)
+    # widen_ffn cannot grow expert shards yet: that stage gathers the whole model on every rank.
+    raw = load_recipe(TINY)
+    stages = list(raw.stages)
+    moe_index = next(i for i, s in enumerate(stages) if any(g.op == "upcycle_moe" for g in s.grow))
+    later = stages[moe_index + 1]
+    widen = GrowthStep("widen_ffn", get_operator("widen_ffn").args_type(ffn_hidden=0, expert_hidden=raw_hidden(raw, moe_index) * 2))
+    stages[moe_index + 1] = replace(later, grow=[widen])
+    plan = plan_recipe(replace(raw, stages=stages), get_hardware("h100-80gb"))
+    row = plan.stages[moe_index + 1]
+    assert row.growth_peak_bytes_per_rank == row.growth_peak_bytes > 0
+
+
+def raw_hidden(recipe, stage_index: int) -> int:
+    shapes = plan_stage_models(recipe.model.with_changes(vocab_size=256), [s.grow for s in recipe.stages])
+    return shapes[stage_index].moe.expert_hidden

@@ -24,6 +24,7 @@ from growtrain.planning.memory import (
     activation_bytes,
     autocast_weight_cache,
     growth_peak_bytes,
+    growth_peak_bytes_per_rank,
     memory_per_gpu,
     workspace_bytes,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "format_plan",
     "get_hardware",
     "growth_peak_bytes",
+    "growth_peak_bytes_per_rank",
     "max_micro_batch",
     "memory_per_gpu",
     "micro_batch_work",

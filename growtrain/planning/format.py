@@ -87,7 +87,10 @@ def format_plan(plan: Plan) -> str:
     if grown:
         out.append("")
         out.append(
-            "growth at a stage start runs in one process today: old and new model with their optimizer state, peak "
+            f"growth at a stage start, peak per rank over {plan.hardware.gpus} expert-parallel processes (each grows its expert shards; "
+            "a stage with an operator that cannot gathers the whole model): "
+            + ", ".join(f"{s.name} {_b(s.growth_peak_bytes_per_rank)} GB" for s in grown)
+            + "; in one process: "
             + ", ".join(f"{s.name} {_b(s.growth_peak_bytes)} GB" for s in grown)
         )
     af = plan.af

@@ -371,3 +371,78 @@ def growth_peak_bytes(cfg_before, steps, optimizer_cfg, counts: dict) -> int:
         peak = max(peak, _held_bytes(old) + _held_bytes(new))
         cfg = new_cfg
     return peak
+
+
+# Per-element bookkeeping of an operator that marks fresh elements inside copied expert tensors
+# (drop-upcycling: upcycle_moe with drop_ratio > 0, clone_experts with reinit_fraction > 0), per
+# grown expert weight: the provenance's copy count S (fp32) and fresh mask (bool), and, in the
+# mapped optimizer state, a per-element step count (int32) and the eps and clip-norm multipliers
+# 1/S and S (fp32; the LR and weight-decay multipliers stay scalars at β = 1).
+_FRESH_PROVENANCE_BYTES = 4 + 1
+_FRESH_STATE_BYTES = 4 + 4 + 4
+
+
+def _marks_fresh(step) -> bool:
+    args = step.args
+    return (step.op == "upcycle_moe" and getattr(args, "drop_ratio", 0) > 0) or (step.op == "clone_experts" and getattr(args, "reinit_fraction", 0) > 0)
+
+
+def probe_bytes(cfg, batch: int, seq_len: int) -> int:
+    """One invariance probe (stages/invariance.Probe), float64: the logits, both output streams of
+    every block and the router distribution of every MoE layer, for the probe batch's tokens (every
+    rank runs the whole probe batch)."""
+    tokens = batch * seq_len
+    moe = len(cfg.moe_layers) * cfg.moe.num_experts if cfg.moe is not None else 0
+    return 8 * tokens * (cfg.vocab_size + 2 * cfg.n_layers * cfg.d_model + moe)
+
+
+def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, ranks: int, probe: tuple[int, int] = (0, 0)) -> int:
+    """Peak bytes one of `ranks` expert-parallel processes holds while a stage's growth runs
+    (stages/transition.py). Where every operator of the stage grows expert shards
+    (stages/sharding.py), a rank holds its E/W experts of every model alive at once and the whole
+    dense part, with the dense optimizer state gathered from its ZeRO-1 owners: the stage's first
+    model (kept for the transition's own check), the current operator's old and new model with
+    their state, the new model's per-element bookkeeping, the dynamics check's working set (the
+    new side's saved trainable weights, gradients and updates and a copy of its optimizer state,
+    with the old side's updates), and the probes (`probe`: the invariance probe's batch and
+    sequence length): the stage's first, the old and the new model's, plus four logit tensors of
+    the one-step comparison. Otherwise every rank gathers the whole model: growth_peak_bytes.
+    0 for a stage without growth."""
+    from growtrain.stages import get_operator
+
+    if not steps:
+        return 0
+    if ranks > 1 and not all(get_operator(s.op).runs_sharded(s.args) for s in steps):
+        return growth_peak_bytes(cfg_before, steps, optimizer_cfg, counts)
+
+    def count(c):
+        return counts.get(c) or counts.setdefault(c, count_model(c, optimizer_cfg))
+
+    def share(t) -> float:
+        return 1.0 / ranks if t.expert_sharded else 1.0
+
+    def held(c) -> float:
+        return sum((t.bytes + t.optimizer_bytes) * share(t) for t in count(c).tensors)
+
+    def expert_weights(c) -> float:
+        return sum(t.bytes * share(t) for t in count(c).tensors if t.expert_sharded and t.trainable and t.role == "routed_experts")
+
+    peak, cfg, carried = 0.0, cfg_before, 0.0  # carried: per-element state fields of the current model
+    start = held(cfg_before)
+    for j, step in enumerate(steps):
+        new_cfg = get_operator(step.op).plan(cfg, step.args)
+        new = count(new_cfg)
+        fresh = _marks_fresh(step)
+        elements = expert_weights(new_cfg) / 4  # fp32 expert weights
+        book = elements * (_FRESH_PROVENANCE_BYTES + _FRESH_STATE_BYTES) if fresh else 0.0
+        new_carried = elements * _FRESH_STATE_BYTES if fresh else (0.0 if new_cfg.moe is not None and new_cfg.moe.expert_format == "nf4" else carried)
+        trainable = sum(t.bytes * share(t) for t in new.tensors if t.trainable)
+        trainable_old = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable)
+        optimizer = sum(t.optimizer_bytes * share(t) for t in new.tensors) + new_carried
+        work = 3 * trainable + optimizer + trainable_old
+        probes = (probe_bytes(cfg_before, *probe) if j else 0) + probe_bytes(cfg, *probe) + probe_bytes(new_cfg, *probe)
+        probes += 4 * 8 * probe[0] * probe[1] * new_cfg.vocab_size
+        alive = (start if j else 0.0) + held(cfg) + carried + held(new_cfg) + book + work + probes
+        peak = max(peak, alive)
+        cfg, carried = new_cfg, new_carried
+    return int(peak)

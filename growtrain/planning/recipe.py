@@ -15,6 +15,7 @@ from growtrain.planning.memory import (
     MemoryPerGpu,
     autocast_weight_cache,
     growth_peak_bytes,
+    growth_peak_bytes_per_rank,
     memory_per_gpu,
     stage_activations,
 )
@@ -94,6 +95,7 @@ class StagePlan:
     roofline: StepTime
     stage_time_s: float
     growth_peak_bytes: int  # 0 without growth at the stage's start
+    growth_peak_bytes_per_rank: int  # the same per expert-parallel rank over hw.gpus processes
 
     @property
     def per_gpu_bytes(self) -> int:
@@ -131,6 +133,7 @@ class StagePlan:
             **self.roofline.to_dict(),
             "stage_time_s": self.stage_time_s,
             "growth_peak_bytes": self.growth_peak_bytes,
+            "growth_peak_bytes_per_rank": self.growth_peak_bytes_per_rank,
         }
 
 
@@ -181,6 +184,8 @@ def plan_recipe(recipe, hw: Hardware) -> Plan:
         stage = replace(global_stage, batch_size=global_stage.batch_size // hw.gpus)
         count = counts.get(cfg) or counts.setdefault(cfg, count_model(cfg, recipe.optimizer))
         grow_peak = growth_peak_bytes(previous, stage.grow, recipe.optimizer, counts)
+        probe = (recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len)
+        grow_peak_rank = growth_peak_bytes_per_rank(previous, stage.grow, recipe.optimizer, counts, hw.gpus, probe)
         previous = cfg
         acts = stage_activations(cfg, stage.batch_size, stage.seq_len, precision, hw.gpus)
         mem = memory_per_gpu(cfg, count, acts, hw.gpus, precision)
@@ -224,6 +229,7 @@ def plan_recipe(recipe, hw: Hardware) -> Plan:
             roofline=roof,
             stage_time_s=roof.step_time_s * stage.steps,
             growth_peak_bytes=grow_peak,
+            growth_peak_bytes_per_rank=grow_peak_rank,
         )
         tokens_before += stage_tokens
         stages.append(row)

@@ -19,8 +19,11 @@ from typing import ClassVar, Literal
 import torch
 
 from growtrain.model.config import ModelConfig, MoEConfig
-from growtrain.stages.common import carry, along_hidden, fresh_state, materialize, pick_neurons, redraw_neurons, sibling_copies
+from growtrain.model import GrowLM
+from growtrain.model.moe import Router
+from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
+from growtrain.stages.sharding import local_range
 
 
 @dataclass(frozen=True)
@@ -77,30 +80,38 @@ def apply(model, args: UpcycleArgs) -> Growth:
     old_cfg = model.config
     new_cfg = plan(old_cfg, args)
     old = model.state_dict()
-    new = fresh_state(new_cfg, model)
+    targets = sorted(set(_targets(old_cfg, args)))
+    # Every tensor is carried or copied below except the new routers, drawn here in block order
+    # (the same on every rank and at any EP size; their balance bias starts at zero).
+    ref = next(model.parameters())
+    routers = {b: Router(new_cfg.d_model, args.num_experts, new_cfg.moe.router_init_std).to(device=ref.device, dtype=ref.dtype) for b in targets}
+    with torch.device("meta"):
+        new = dict.fromkeys(GrowLM(new_cfg).state_dict())
     provenance: dict[str, Provenance] = {}
     params = {n for n, _ in model.named_parameters()}
-    targets = set(_targets(old_cfg, args))
     E = args.num_experts
-    redraw = {b: pick_neurons(E, old_cfg.ffn_hidden, args.drop_ratio) for b in sorted(targets)} if args.drop_ratio > 0 else {}
+    lo, hi = local_range(E)  # the experts this rank builds (all of them in one process)
+    # Drawn for every expert on every rank, then cut to this rank's: the same at any EP size.
+    redraw = {b: pick_neurons(E, old_cfg.ffn_hidden, args.drop_ratio) for b in targets} if args.drop_ratio > 0 else {}
     for name in list(new):
         parts = name.split(".")
         block = int(parts[1]) if parts[0] == "blocks" else None
-        if block in targets and parts[2] == "g" and parts[3] == "ffn" and parts[4] != "experts":
+        if block in routers and parts[2] == "g" and parts[3] == "ffn" and parts[4] == "router":
+            new[name] = routers[block].state_dict()[parts[5]].detach()
             if name.endswith("router.weight"):
                 provenance[name] = Provenance("new")  # small random: exactness does not depend on it
-            continue  # router buffers stay fresh (zero bias)
-        if block in targets and parts[4:5] == ["experts"]:
+            continue
+        if block in routers and parts[4:5] == ["experts"]:
             matrix = parts[5]  # w_gate / w_up / w_down
             source = f"blocks.{block}.g.ffn.{matrix}.weight"
-            expand = lambda t, E=E: t.unsqueeze(0).expand(E, *t.shape).clone()  # noqa: E731
+            expand = lambda t, n=hi - lo: t.unsqueeze(0).expand(n, *t.shape).clone()  # noqa: E731
             new[name] = expand(old[source])
             if block not in redraw:
                 provenance[name] = Provenance("copy", source, expand, copies=E, beta=1.0)
                 continue
             hidden_dim = 2 if matrix == "w_down" else 1
-            new[name], fresh = redraw_neurons(new[name], redraw[block], hidden_dim)
-            copies = sibling_copies(~redraw[block], torch.zeros(E, dtype=torch.long), 1)
+            new[name], fresh = redraw_neurons(new[name], redraw[block][lo:hi], hidden_dim, torch.arange(lo, hi))
+            copies = sibling_copies(~redraw[block], torch.zeros(E, dtype=torch.long), 1)[lo:hi]
             provenance[name] = Provenance("copy", source, expand, copies=along_hidden(copies, new[name].shape, hidden_dim), fresh=fresh)
             continue
         carry(name, old[name], params, new, provenance)
@@ -117,5 +128,6 @@ register(
         plan,
         apply,
         exact_if=lambda args: args.drop_ratio == 0,
+        shards=True,  # the dense FFN is on every rank: each builds its own experts from it
     )
 )

@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from growtrain.expert_shards import is_expert_tensor
 from growtrain.model.config import ModelConfig
+from growtrain.model.expert_parallel import shard_experts
+from growtrain.stages import sharding
 from growtrain.stages.common import materialize, require_full_experts
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
@@ -61,7 +64,11 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
     params = {n for n, _ in model.named_parameters()}
     new, provenance = {}, {}
     with torch.device("meta"):
-        shapes = {n: t.shape for n, t in type(model)(new_cfg).state_dict().items()}
+        grown_model = type(model)(new_cfg)
+    ep = sharding.current()
+    if ep is not None:  # on expert shards: this rank's experts of every expert tensor
+        shard_experts(grown_model, ep)
+    shapes = {n: t.shape for n, t in grown_model.state_dict().items()}
     for name, w in model.state_dict().items():
         reps = [n // o for n, o in zip(shapes[name], w.shape)]
         if [o * r for o, r in zip(w.shape, reps)] != list(shapes[name]):
@@ -72,10 +79,17 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
         grown = tile(w) * beta if beta != 1.0 else tile(w)
         noisy, bound = None, 0.0
         if input_side and args.noise > 0:
-            std = args.noise * grown.pow(2).mean().sqrt().item()
+            # An expert tensor's RMS and largest value are over all its experts (every rank's, on shards).
+            expert = is_expert_tensor(name)
+            sq, count = float(grown.double().pow(2).sum()), float(grown.numel())
+            if expert:
+                sq, count = sharding.sum_ranks(sq, count)
+            std = args.noise * math.sqrt(sq / count)
             # Zero-mean over k copies of N(0, std²) draws: beyond 12 std only with probability ~1e-32.
-            grown = grown + _null_space_noise(grown, k, std)
-            noisy, bound = True, 12.0 * std + 1e-6 * float(grown.abs().max())  # + the sum's fp32 rounding
+            grown = grown + _null_space_noise(grown, k, std, torch.arange(*sharding.local_range(new_cfg.moe.num_experts)) if expert else None)
+            largest = float(grown.abs().max())
+            largest = sharding.max_ranks(largest)[0] if expert else largest
+            noisy, bound = True, 12.0 * std + 1e-6 * largest  # + the sum's fp32 rounding
         new[name] = grown
         if name in params:
             copies = math.prod(reps)
@@ -83,10 +97,16 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
     return Growth(materialize(new_cfg, new), provenance, stream_view=lambda x, k=k: x.unflatten(-1, (k, -1)).mean(-2))
 
 
-def _null_space_noise(w: torch.Tensor, k: int, std: float) -> torch.Tensor:
+def _null_space_noise(w: torch.Tensor, k: int, std: float, experts_E: torch.Tensor | None = None) -> torch.Tensor:
     """Noise over the k copies of the last dimension that sums to zero across the copies (drawn on
-    the CPU, as fresh_state does: the same draws whatever the device)."""
-    noise = torch.randn(w.shape, dtype=w.dtype).unflatten(-1, (k, -1)) * std
+    the CPU, as fresh_state does: the same draws whatever the device). An expert tensor's
+    (`experts_E`: the global indices of its rows) draws each expert's noise from a generator of
+    its own, so the same whichever rank holds it (stages/sharding.py)."""
+    if experts_E is None:
+        noise = torch.randn(w.shape, dtype=w.dtype)
+    else:
+        noise = sharding.expert_normal(tuple(w.shape[1:]), experts_E, sharding.draw_key()).to(w.dtype)
+    noise = noise.unflatten(-1, (k, -1)) * std
     return (noise - noise.mean(-2, keepdim=True)).flatten(-2).to(w.device)
 
 
@@ -99,5 +119,6 @@ register(
         WidenHiddenArgs,
         plan,
         apply,
+        shards=True,  # expert tensors widen along d_model, expert by expert
     )
 )
