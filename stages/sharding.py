@@ -97,20 +97,16 @@ def children_to_owners(t: torch.Tensor, m: int, num_experts: int) -> torch.Tenso
 def expert_normal(shape_per_expert: tuple[int, ...], experts: torch.Tensor, key: int) -> torch.Tensor:
     """[len(experts), *shape_per_expert] float64 standard normal draws, each expert's from its own
     generator seeded by (key, global index): the same numbers whichever rank draws them."""
-    out = torch.empty((len(experts), *shape_per_expert), dtype=torch.float64)
-    for i, e in enumerate(experts.tolist()):
-        g = torch.Generator().manual_seed(_mix(key, e))
-        out[i] = torch.randn(shape_per_expert, dtype=torch.float64, generator=g)
-    return out
+    return _per_expert(lambda g: torch.randn(shape_per_expert, dtype=torch.float64, generator=g), experts, key)
 
 
 def expert_uniform(shape_per_expert: tuple[int, ...], experts: torch.Tensor, key: int) -> torch.Tensor:
     """As expert_normal, U[0, 1) draws in float32."""
-    out = torch.empty((len(experts), *shape_per_expert), dtype=torch.float32)
-    for i, e in enumerate(experts.tolist()):
-        g = torch.Generator().manual_seed(_mix(key, e))
-        out[i] = torch.rand(shape_per_expert, generator=g)
-    return out
+    return _per_expert(lambda g: torch.rand(shape_per_expert, generator=g), experts, key)
+
+
+def _per_expert(draw, experts: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.stack([draw(torch.Generator().manual_seed(_mix(key, e))) for e in experts.tolist()])
 
 
 def draw_key() -> int:
