@@ -19,6 +19,7 @@ examples:
   growtrain plan recipes/120b.yaml --hardware h100-80gb   per-stage parameters, memory per GPU, step time
   growtrain inspect runs/tiny --json                   stage, step, tokens, parameters, growth reports
   growtrain generate runs/tiny --prompt "The "         sample from the newest checkpoint
+  growtrain plot runs/tiny runs/other --out loss.png   loss against tokens and counted FLOPs, growth marked
   growtrain export-adapters runs/tiny out/adapters     NF4 experts' LoRA (and peft adapters) in peft's layout
   growtrain prepare-data corpus/ --out data/corpus     tokenize once into token shards; then data.source: data/corpus
 """
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "If --out already holds checkpoints of this recipe, the run resumes from the newest intact one "
         "(a damaged one is reported and skipped), so re-running the same command after a crash continues it."
     ))
-    p.add_argument("recipe", type=Path, help="recipe YAML file, or the name of a packaged recipe (tiny, 120b)")
+    p.add_argument("recipe", type=Path, help="recipe YAML file, or the name of a packaged recipe (tiny, small, 120b, 120b-rehearsal)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a recipe field, e.g. --set stages.0.steps=50 --set tracking.wandb.mode=disabled (repeatable)")
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("validate", "check a recipe: exit 0, or exit 2 listing every problem"),
                            ("print-config", "print the resolved recipe with every default filled in")):
         p = sub.add_parser(name, help=helptext, description=helptext[0].upper() + helptext[1:] + ".")
-        p.add_argument("recipe", type=Path, help="recipe YAML file, or the name of a packaged recipe (tiny, 120b)")
+        p.add_argument("recipe", type=Path, help="recipe YAML file, or the name of a packaged recipe (tiny, small, 120b, 120b-rehearsal)")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a field")
         if name == "validate":
             p.add_argument("--world-size", type=int, default=1, metavar="N",
@@ -84,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "transition with its invariance report. Reads only the checkpoint's meta.json.")
     p.add_argument("path", type=Path, help="run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+    p = sub.add_parser("plot", help="draw runs' training and held-out loss against tokens and counted FLOPs (PNG)",
+                       description="Draw one figure of the runs' training and held-out loss against tokens seen and against "
+                       "counted training FLOPs (metrics.jsonl's `flops`: forward + backward matmul and attention FLOPs at each "
+                       "step's shape), with each stage boundary marked and labelled with its growth operators and the Δloss "
+                       "their invariance checks measured. Needs matplotlib: pip install 'growtrain[plot]'.")
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="run directories (growtrain run --out DIR)")
+    p.add_argument("--out", type=Path, default=Path("loss.png"), metavar="FILE.png", help="image to write (default loss.png)")
+    p.add_argument("--label", dest="labels", action="append", default=None, metavar="NAME",
+                   help="legend name of each run, in order (repeat once per RUN_DIR; default: the folder names)")
 
     p = sub.add_parser("generate", help="sample text from a checkpoint", description=(
         "Sample a continuation of --prompt from a checkpoint, printed as it is sampled (KV cache). Beyond the context the "
@@ -218,6 +229,9 @@ def _user_error_code(exc: Exception) -> int | None:
     export = sys.modules.get("growtrain.export")  # loaded by export-adapters only
     if export is not None and isinstance(exc, export.ExportError):
         return 2
+    plot = sys.modules.get("growtrain.plot")  # loaded by `plot`
+    if plot is not None and isinstance(exc, plot.PlotError):
+        return 2
     planning = sys.modules.get("growtrain.planning")  # loaded by `plan`
     if planning is not None and isinstance(exc, planning.PlanError):
         return 2
@@ -298,6 +312,14 @@ def cmd_inspect(args) -> int:
     from growtrain.inspect import format_report
 
     print(format_report(report))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from growtrain.plot import plot_runs
+
+    out = plot_runs(args.runs, args.out, args.labels)
+    print(f"wrote {out} ({len(args.runs)} run(s))")
     return 0
 
 
@@ -405,6 +427,7 @@ COMMANDS = {
     "schema": cmd_schema,
     "inspect": cmd_inspect,
     "generate": cmd_generate,
+    "plot": cmd_plot,
     "export-adapters": cmd_export_adapters,
     "plan": cmd_plan,
     "prepare-data": cmd_prepare_data,

@@ -20,19 +20,27 @@ from collections.abc import Callable, Sequence
 HEARTBEAT_S = 30.0
 
 
-def stage_step_costs(shapes, stages) -> list[float]:
+def stage_step_costs(shapes, stages, per_token_fn=None) -> list[float]:
     """FLOPs of one optimizer step of each stage: the planner's FLOPs per token of that stage's
-    model (meta device, no memory) times batch_size x seq_len x grad_accum."""
+    model (meta device, no memory; `train_flops_per_token` unless `per_token_fn` says otherwise)
+    times batch_size x seq_len x grad_accum."""
     from growtrain.planning import train_flops_per_token
 
+    per_token_fn = per_token_fn or train_flops_per_token
     per_token: dict = {}
     costs = []
     for cfg, stage in zip(shapes, stages):
         key = (cfg, stage.seq_len)
         if key not in per_token:
-            per_token[key] = train_flops_per_token(cfg, stage.seq_len)
+            per_token[key] = per_token_fn(cfg, stage.seq_len)
         costs.append(per_token[key] * stage.batch_size * stage.seq_len * stage.grad_accum)
     return costs
+
+
+def counted_flops(step_flops, stage_steps, stage: int, stage_step: int) -> float:
+    """Counted FLOPs of a run at (stage, stage_step): every earlier stage's steps at their cost, and
+    this stage's steps so far. A function of the position alone, so a resumed run counts the same."""
+    return float(sum(c * n for c, n in zip(step_flops[:stage], stage_steps[:stage])) + step_flops[stage] * stage_step)
 
 
 class Progress:

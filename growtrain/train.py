@@ -35,7 +35,8 @@ from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.optim_registry import build_optimizer
-from growtrain.progress import Progress, stage_step_costs
+from growtrain.planning import model_flops_per_token
+from growtrain.progress import Progress, counted_flops, stage_step_costs
 from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain, without_moved_keys
 from growtrain.run_lock import RunDirLock, RunDirLocked
 from growtrain.stages import GrowthCheckFailed, apply_growth, get_operator, plan_stage_models, sharding
@@ -520,6 +521,7 @@ class Run:
         total = sum(s.steps for s in recipe.stages)
         self.console = Console(total, pos.global_step, recipe.tracking.progress_bar, quiet=not self.dist.is_main)
         self.progress = Progress(stage_step_costs(shapes, recipe.stages), [s.steps for s in recipe.stages])
+        self.step_flops = stage_step_costs(shapes, recipe.stages, model_flops_per_token)  # metrics.jsonl's `flops`
         exit_code = 1
         try:
             while pos.stage < len(recipe.stages):
@@ -685,6 +687,7 @@ class Run:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens": pos.tokens,
+                "flops": counted_flops(self.step_flops, [s.steps for s in recipe.stages], pos.stage, pos.stage_step),
                 "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
                 "skipped": not finite,
             }

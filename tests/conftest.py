@@ -125,10 +125,13 @@ def growth_report(run_dir: Path) -> tuple[dict, list[tuple[str, bool, bool]]]:
     return report, [(t["operator"], t["exact"], t["passed"]) for t in report["transitions"]]
 
 
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
 def losses(run_dir: Path) -> list[tuple[int, float, float | None]]:
     """(step, loss, eval_loss) per step from metrics.jsonl."""
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [(r["step"], r["loss"], r.get("eval_loss")) for r in rows]
+    return [(r["step"], r["loss"], r.get("eval_loss")) for r in metrics_rows(run_dir)]
 
 
 @contextmanager
@@ -157,6 +160,8 @@ def assert_same_run(run_dir: Path, reference: Path, steps: int) -> dict:
     got, want = losses(run_dir), losses(reference)
     assert [s for s, *_ in got] == list(range(1, steps + 1)), "metrics.jsonl must read like one uninterrupted run"
     assert got == want, "resumed losses differ from the uninterrupted run's"
+    counted = lambda d: [(r["tokens"], r["flops"]) for r in metrics_rows(d)]  # noqa: E731
+    assert counted(run_dir) == counted(reference), "resumed tokens or counted FLOPs differ from the uninterrupted run's"
     final = f"checkpoints/step-{steps:08d}/model.safetensors"
     a, b = load_file(Path(run_dir) / final), load_file(Path(reference) / final)
     assert a.keys() == b.keys()

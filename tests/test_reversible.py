@@ -148,6 +148,23 @@ def test_reversible_gradients_match_plain_autograd_in_fp32_within_1e_4(kind, dep
     assert_grads_close(grads(model, tok, True), grads(model, tok, False), 1e-4)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe_softmax_shared_gqa"])
+def test_a_first_block_that_dwarfs_its_input_keeps_fp32_gradients_of_the_block_and_the_embedding(kind):
+    """With its output projections scaled up, the first block's outputs are ~1e4 x its input (a
+    trained 4-block model showed ~160x). Inverting that block would leave ~eps x 1e4 relative error
+    in x1, and in every gradient of the block and of the embedding; the stack keeps its input."""
+    model = make_model(make_config(3, **KINDS[kind]), torch.float32)
+    with torch.no_grad():
+        for name, p in model.blocks[0].named_parameters():
+            if "wo" in name or "w_down" in name:
+                p.mul_(3e4)
+        x1, _ = model.embed_streams(tokens())
+        y1, _, _ = model.blocks[0](x1, x1)
+    assert y1.norm() > 1e4 * x1.norm()
+    tok = tokens()
+    assert_grads_close(grads(model, tok, True), grads(model, tok, False), 1e-4)
+
+
 def test_stack_gradients_reach_both_input_streams_and_every_aux_loss():
     # Below the model: distinct input streams, and each MoE block's aux loss weighted differently,
     # so a swapped stream gradient or a misrouted aux-loss gradient would show.

@@ -133,7 +133,7 @@ def test_the_built_wheel_installed_in_a_fresh_venv_validates_and_trains_outside_
                            cwd=user, capture_output=True, text=True, env=cli_env())
     assert where.returncode == 0, where.stderr[-3000:]
     assert where.stdout.startswith(str(purelib)), f"imported {where.stdout} instead of the installed wheel"
-    for args in (["validate", "tiny"], ["validate", "120b"], ["schema"], ["print-config", "tiny"], ["plan", "tiny"]):
+    for args in (["validate", "tiny"], ["validate", "small"], ["validate", "120b"], ["schema"], ["print-config", "tiny"], ["plan", "tiny"]):
         done = subprocess.run([str(growtrain), *args], cwd=user, capture_output=True, text=True, env=cli_env(), timeout=300)
         assert done.returncode == 0, (args, done.stderr[-3000:])
     (user / "micro.yaml").write_text(yaml.safe_dump(short_micro()))
@@ -142,6 +142,8 @@ def test_the_built_wheel_installed_in_a_fresh_venv_validates_and_trains_outside_
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "done: step 6" in trained.stdout
     assert (user / "run" / "checkpoints" / "latest").is_file()
+    plotted = subprocess.run([str(growtrain), "plot", "run", "--out", "loss.png"], cwd=user, capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert plotted.returncode == 0 and (user / "loss.png").stat().st_size > 0, plotted.stderr[-3000:]
     # prepare-data from the wheel (its worker processes import the installed package), then the
     # same run on the shards: the same losses.
     micro = short_micro()

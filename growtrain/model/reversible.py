@@ -1,7 +1,8 @@
 """Reversible backward over the coupling-block stack (DESIGN.md §5): flat activation memory in depth.
 
-The forward runs every block without recording a graph and keeps only the final streams (y1, y2)
-and, per MoE block, its chosen experts [T, K] (stored as the narrowest integer type that holds the
+The forward runs every block without recording a graph and keeps only the final streams (y1, y2),
+the stack's input streams (the first block is never inverted: see the forward) and, per MoE block,
+its chosen experts [T, K] (stored as the narrowest integer type that holds the
 expert ids: uint8 for up to 256 experts, so 32 MoE blocks add ~2 bytes per token-slot each). The
 backward walks the blocks in reverse; for each block it recomputes G(y1) with grad enabled, inverts
 x2 = y2 - G(y1), recomputes F(x2), inverts x1 = y1 - F(x2), and pushes the gradients through the
@@ -89,6 +90,7 @@ class _ReversibleStack(torch.autograd.Function):
         ctx.params = params  # leaf parameters: held by reference, not through saved-tensor hooks
         ctx.autocast = _autocast_state(x1.device.type)
         aux, loads, indices, routings = [], [], [], []
+        inputs = (x1, x2)
         for block in blocks:
             x1, x2, stats = block(x1, x2)
             if stats is not None:
@@ -97,18 +99,23 @@ class _ReversibleStack(torch.autograd.Function):
                 indices.append(stats.top_k_indices)
                 routings.append(_compact_routing(stats.top_k_indices, getattr(block.g.ffn, "num_experts", None)))
         ctx.num_moe = len(aux)
-        ctx.save_for_backward(x1, x2, *routings)
+        # The stack's own inputs are kept too (two streams, whatever the depth): the first block's
+        # outputs can dwarf the embedding streams (|x| ~13 -> |y| ~2e3 in a trained 4-block model),
+        # and inverting it would leave ~1% fp32 error in x1 (eps * |y| / |x|), in every gradient of
+        # that block and of the embedding.
+        ctx.save_for_backward(x1, x2, inputs[0], inputs[1], *routings)
         ctx.mark_non_differentiable(*loads, *indices)
         return (x1, x2, *aux, *loads, *indices)
 
     @staticmethod
     def backward(ctx, dy1, dy2, *rest):
         d_aux = rest[: ctx.num_moe]
-        y1, y2, *routings = ctx.saved_tensors
+        y1, y2, in1, in2, *routings = ctx.saved_tensors
         params = ctx.params
         grads: list[torch.Tensor | None] = [None] * ctx.num_params
         moe_i = ctx.num_moe
-        for block, (f_idx, g_idx) in zip(reversed(ctx.blocks), reversed(ctx.plan)):
+        first = len(ctx.blocks) - 1  # the last one the backward reaches: its inputs are the saved ones
+        for k, (block, (f_idx, g_idx)) in enumerate(zip(reversed(ctx.blocks), reversed(ctx.plan))):
             routing = None
             if block.is_moe:
                 moe_i -= 1
@@ -124,7 +131,7 @@ class _ReversibleStack(torch.autograd.Function):
                 outs.append(stats.aux_loss)
                 outs_grad.append(d_aux[moe_i].to(stats.aux_loss.dtype))
             with torch.no_grad():
-                x2 = y2 - g_out
+                x2 = in2 if k == first else y2 - g_out
             got = torch.autograd.grad(outs, [y1_, *(params[i] for i in g_idx)], outs_grad, allow_unused=True)
             if got[0] is not None:
                 dy1 = dy1 + got[0]
@@ -136,7 +143,7 @@ class _ReversibleStack(torch.autograd.Function):
                 x2_ = x2.requires_grad_(True)
                 f_out = block.f(x2_).to(y1.dtype)
             with torch.no_grad():
-                x1 = y1 - f_out
+                x1 = in1 if k == first else y1 - f_out
             got = torch.autograd.grad(f_out, [x2_, *(params[i] for i in f_idx)], dy1, allow_unused=True)
             dx2 = dy2 if got[0] is None else dy2 + got[0]
             _accumulate(grads, f_idx, got[1:])

@@ -31,7 +31,7 @@ from growtrain.planning.memory import (
 from growtrain.planning.recipe import ActivationsDetail, Plan, StagePlan, plan_recipe, resolve_vocab
 # Not the `roofline` function: bound here it would hide the `roofline` submodule (it stays
 # growtrain.planning.roofline.roofline).
-from growtrain.planning.roofline import Side, StepTime, Work, max_micro_batch, micro_batch_work, train_flops_per_token
+from growtrain.planning.roofline import Side, StepTime, Work, max_micro_batch, micro_batch_work, model_flops_per_token, train_flops_per_token
 
 __all__ = [
     "GB",
@@ -68,6 +68,7 @@ __all__ = [
     "max_micro_batch",
     "memory_per_gpu",
     "micro_batch_work",
+    "model_flops_per_token",
     "optimizer_state_bytes",
     "plan_recipe",
     "resolve_vocab",

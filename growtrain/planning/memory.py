@@ -5,7 +5,7 @@ Activations: `activation_bytes` lists the tensors autograd saves for backward in
 (norms, attention, SwiGLU, router, dispatch, the expert backends, the head and cross-entropy),
 counting a storage once as `growtrain.memory.SavedTensorMeter` does; tests/test_plan.py checks it
 against the meter on small CPU models. Plain autograd holds every block's; the reversible backward
-holds the two fp32 streams, the routing ids and one block's recompute at a time. Non-saved
+holds the two final fp32 streams and the stack's input one, the routing ids and one block's recompute at a time. Non-saved
 transients are a rougher allowance, `workspace`.
 Sharding (DESIGN.md §12): routed experts contiguously over an expert-parallel group of every GPU;
 everything else data parallel, weights and gradients replicated, optimizer state sharded (ZeRO-1).
@@ -213,7 +213,9 @@ def activation_bytes(cfg, batch: int, seq: int, precision: str = "fp32", reversi
     routing = sum(N * cfg.moe.top_k * routing_width for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) if E else 0
 
     if reversible:
-        fixed = base.total() + 2 * stream + routing
+        # The final two streams, and the stack's input (both input streams are the embedding's one
+        # tensor; reversible.py keeps it so that the first block is never inverted).
+        fixed = base.total() + 3 * stream + routing
         forward_end = fixed + head.total()
         # Backward: one block's G, then its F, is rebuilt with grad on at a time. The last block's
         # G reads the saved y1 itself (same storage); every other block's input is a new tensor.
@@ -222,7 +224,7 @@ def activation_bytes(cfg, batch: int, seq: int, precision: str = "fp32", reversi
             g_bytes = g.total() - (stream if i == cfg.n_layers - 1 else 0)
             worst = max(worst, g_bytes, f.total())
         backward_peak = fixed + worst
-        streams = 2 * stream
+        streams = 3 * stream
     else:
         forward_end = base.total() + sum(per_block) + head.total()
         backward_peak = forward_end

@@ -70,6 +70,14 @@ def train_flops_per_token(cfg, seq: int) -> float:
     return dense + expert
 
 
+def model_flops_per_token(cfg, seq: int) -> float:
+    """Counted FLOPs of one trained token on `cfg`: forward + backward of every matmul and of causal
+    attention, without the reversible recompute (a frozen NF4 base's backward counts its input
+    gradient only). The x-axis of FLOPs-to-loss comparisons (metrics.jsonl's `flops`,
+    benchmarks/growth.py, `growtrain plot`), and the numerator of MFU."""
+    return _flops_per_token(cfg, count_model(cfg), seq, cfg.reversible)[2]
+
+
 def _passes(reversible: bool) -> int:
     return 3 if reversible else 2  # forward, backward (and the reversible recompute)
 

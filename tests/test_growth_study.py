@@ -1,0 +1,106 @@
+"""The growth study (benchmarks/growth.py, issue 19) and what it stands on: metrics.jsonl's counted
+FLOPs against a hand count, the FLOPs-to-loss interpolation, and the study end to end on the
+micro recipe, two seeds."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import yaml
+
+from conftest import MICRO, REPO, metrics_rows, train_recipe
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import growth as study  # noqa: E402  (benchmarks/growth.py)
+
+from growtrain.model.config import ModelConfig, MoEConfig  # noqa: E402
+from growtrain.planning import model_flops_per_token  # noqa: E402
+
+
+def hand_count(cfg: ModelConfig, seq: int) -> float:
+    """3 x forward matmul FLOPs per token, written out per layer (the formula benchmarks/growth.py
+    used before the planner's count): attention projections, causal scores and values, a SwiGLU
+    FFN or a routed MoE layer (router + top-k experts + shared expert), the LM head."""
+    D, hd, H, K = cfg.d_model, cfg.head_size, cfg.n_heads, cfg.kv_heads
+    forward = 2 * D * cfg.vocab_size
+    for i in range(cfg.n_layers):
+        forward += 2 * D * (2 * H + 2 * K) * hd + 2 * 2 * H * hd * (seq + 1) / 2
+        if cfg.is_moe_layer(i):
+            m = cfg.moe
+            forward += 2 * D * m.num_experts + m.top_k * 6 * D * m.expert_hidden + 6 * D * m.shared_expert_hidden
+        else:
+            forward += 6 * D * cfg.ffn_hidden
+    return 3 * forward
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ModelConfig(vocab_size=256, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=256),
+        ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=1, ffn_hidden=256,
+                    moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=128, shared_expert_hidden=64), moe_layers=(1, 3)),
+    ],
+    ids=["dense", "moe"],
+)
+def test_counted_flops_per_token_match_a_hand_count_of_the_matmuls(cfg):
+    got, want = model_flops_per_token(cfg, 128), hand_count(cfg, 128)
+    assert math.isclose(got, want, rel_tol=1e-12), (got, want)
+
+
+def test_metrics_count_every_steps_flops_at_its_stages_shape(tmp_path):
+    """`flops` is cumulative, and grows per step by the hand count at that stage's shape."""
+    from growtrain.stages import plan_stage_models
+    from growtrain.recipe import load_recipe
+
+    recipe_path, run_dir, _ = train_recipe(MICRO, tmp_path, "micro")
+    recipe = load_recipe(recipe_path)
+    vocab = study.final_model_config(run_dir).vocab_size  # the byte tokenizer's, specials included
+    shapes = plan_stage_models(recipe.model.with_changes(vocab_size=vocab), [s.grow for s in recipe.stages])
+    rows = metrics_rows(run_dir)
+    per_stage = {s.name: hand_count(cfg, s.seq_len) * s.batch_size * s.seq_len * s.grad_accum for cfg, s in zip(shapes, recipe.stages)}
+    previous = 0.0
+    for row in rows:
+        assert math.isclose(row["flops"] - previous, per_stage[row["stage"]], rel_tol=1e-9), row
+        previous = row["flops"]
+
+
+def test_flops_to_reach_interpolates_between_evaluations():
+    curve = [(10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
+    assert study.flops_to_reach(curve, 2.5) == pytest.approx(15.0)
+    assert study.flops_to_reach(curve, 2.0) == 20.0
+    assert study.flops_to_reach(curve, 3.5) == 10.0  # already below at the first evaluation
+    assert study.flops_to_reach(curve, 1.0) is None  # never reached
+    assert study.flops_to_reach([(10.0, 3.0), (20.0, 3.0), (30.0, 2.0)], 3.0) == 10.0
+
+
+def test_the_study_trains_three_arms_per_seed_at_the_grown_runs_flops(tmp_path, capsys):
+    raw = {**MICRO, "stages": MICRO["stages"][:2]}  # dense -> moe: a few seconds a run
+    recipe = tmp_path / "micro.yaml"
+    recipe.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert study.main(["--recipe", str(recipe), "--seeds", "0,1", "--out", str(tmp_path / "runs"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["arms"]) == {"grown", "scratch", "dense"}
+    for seed in (0, 1):
+        grown, scratch, dense = (result["arms"][arm][seed] for arm in ("grown", "scratch", "dense"))
+        assert grown["seed"] == scratch["seed"] == dense["seed"] == seed
+        assert grown["steps"] == 14
+        # Equal budgets: each single-stage arm within one of its own steps of the grown run's FLOPs.
+        for arm in (scratch, dense):
+            per_step = arm["flops"] / arm["steps"]
+            assert grown["flops"] - per_step < arm["flops"] <= grown["flops"], (arm, grown)
+        # The dense seed model costs less per token than the grown MoE one: it sees more tokens.
+        assert dense["tokens"] > grown["tokens"] > 0
+        assert all(math.isfinite(a["final_eval_loss"]) for a in (grown, scratch, dense))
+    # Different seeds train different runs.
+    assert result["arms"]["grown"][0]["final_eval_loss"] != result["arms"]["grown"][1]["final_eval_loss"]
+    assert len(result["flops_ratio_per_seed"]) == 2 and [len(result["grown_minus"][a]) for a in ("scratch", "dense")] == [2, 2]
+    ratios = result["flops_ratio_per_seed"]
+    if all(r is not None for r in ratios):
+        assert result["flops_ratio_to_scratch_loss"] == pytest.approx(sum(ratios) / 2)
+    else:
+        assert result["flops_ratio_to_scratch_loss"] is None
+    assert "seeds 0, 1" in study.format_table(result)
