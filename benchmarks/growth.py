@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta
@@ -90,9 +90,10 @@ def one_stage(recipe: Recipe, name: str, model: ModelConfig, budget_flops: float
     """`model` trained as one stage for as many steps as `budget_flops` buys, at the last stage's
     batch and sequence length, with one cosine schedule."""
     from growtrain.planning import model_flops_per_token
+    from growtrain.progress import stage_step_costs
 
     last, first = recipe.stages[-1], recipe.stages[0].schedule
-    per_step = model_flops_per_token(model, last.seq_len) * last.batch_size * last.seq_len * last.grad_accum
+    (per_step,) = stage_step_costs([model], [last], model_flops_per_token)  # the trainer's count of a step
     steps = max(2, math.floor(budget_flops / per_step))
     schedule = replace(first, kind="cosine", peak_lr=0.0, warmup_steps=min(first.warmup_steps, steps - 1), min_lr_ratio=last.schedule.min_lr_ratio)
     stage = StageConfig(name=name, steps=steps, seq_len=last.seq_len, batch_size=last.batch_size, grad_accum=last.grad_accum, schedule=schedule)
@@ -110,10 +111,10 @@ class ArmRun:
     curve: list[tuple[float, float]]  # (counted FLOPs, held-out loss) at every evaluation
 
     def to_dict(self) -> dict:
-        return {"seed": self.seed, "final_eval_loss": self.final_eval_loss, "flops": self.flops, "tokens": self.tokens, "steps": self.steps, "seconds": self.seconds}
+        return {k: v for k, v in asdict(self).items() if k != "curve"}
 
 
-def train_arm(recipe: Recipe, run_dir: Path, seed: int) -> ArmRun:
+def train_arm(recipe: Recipe, run_dir: Path) -> ArmRun:
     from growtrain.train import run  # imported late: `--help` stays instant
 
     t0 = time.perf_counter()
@@ -122,7 +123,7 @@ def train_arm(recipe: Recipe, run_dir: Path, seed: int) -> ArmRun:
     rows = MetricsFile(run_dir / "metrics.jsonl").read()
     curve = [(row["flops"], row["eval_loss"]) for row in rows if "eval_loss" in row]
     last = rows[-1]
-    return ArmRun(seed, result.final_eval_loss, last["flops"], last["tokens"], last["step"], seconds, curve)
+    return ArmRun(recipe.seed, result.final_eval_loss, last["flops"], last["tokens"], last["step"], seconds, curve)
 
 
 def flops_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -145,12 +146,12 @@ def study(recipe: Recipe, seeds: list[int], out: Path, say) -> dict:
     ratios: list[float | None] = []
     for seed in seeds:
         seeded = replace(recipe, seed=seed)
-        grown = train_arm(seeded, out / f"seed{seed}" / "grown", seed)
+        grown = train_arm(seeded, out / f"seed{seed}" / "grown")
         say(f"seed {seed}: grown   {grown.steps:>5} steps, {grown.flops:.3e} FLOPs, held-out {grown.final_eval_loss:.4f} ({grown.seconds:.0f}s)")
         final = final_model_config(out / f"seed{seed}" / "grown")
         arms = {"grown": grown}
         for arm, shape in (("scratch", full_precision(final)), ("dense", seeded.model.with_changes(vocab_size=final.vocab_size))):
-            arms[arm] = train_arm(one_stage(seeded, arm, shape, grown.flops), out / f"seed{seed}" / arm, seed)
+            arms[arm] = train_arm(one_stage(seeded, arm, shape, grown.flops), out / f"seed{seed}" / arm)
             r = arms[arm]
             say(f"seed {seed}: {arm:<7} {r.steps:>5} steps, {r.flops:.3e} FLOPs, held-out {r.final_eval_loss:.4f} ({r.seconds:.0f}s)")
         for arm in ARMS:

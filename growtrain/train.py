@@ -687,7 +687,7 @@ class Run:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens": pos.tokens,
-                "flops": counted_flops(self.step_flops, [s.steps for s in recipe.stages], pos.stage, pos.stage_step),
+                "flops": counted_flops(self.step_flops, self.progress.stage_steps, pos.stage, pos.stage_step),
                 "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
                 "skipped": not finite,
             }
