@@ -11,6 +11,9 @@ Cases (64 fp32 tensors of 512 x 512 by default, every one a decayed matrix):
 - `fp32 per-element`: the same tensors with tensor multipliers (all ones, so the result is
   comparable) and per-element step counts, as growth leaves new neurons: the exact
   element-by-element path;
+- `fp32 per-neuron`: the same, with the multipliers and step counts shaped [512, 1], one per
+  row: the layout growth keeps them in where they vary per neuron only (drop-upcycling's
+  redrawn neurons; stages/transition.compact_fields), through the same exact path;
 - `8-bit`: dense_state_bits 8: bitsandbytes' blockwise 8-bit update, against AdamW8bit itself.
 
 Each repetition times growtrain's step and the reference's step back to back (alternating, so a
@@ -55,15 +58,18 @@ def params_from(weights: list[torch.Tensor], grads: list[torch.Tensor]) -> list[
     return out
 
 
-def growtrain_optimizer(params: list[nn.Parameter], bits: int, per_element: bool):
+def growtrain_optimizer(params: list[nn.Parameter], bits: int, fields: str | None):
+    """fields: None (float multipliers, int steps), "element" (tensors shaped like the parameter)
+    or "neuron" (shaped [rows, 1])."""
     cfg = OptimizerConfig(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, dense_state_bits=bits)
     opt = build_optimizer({f"blocks.{i}.w": p for i, p in enumerate(params)}, cfg)
-    if per_element:
+    if fields is not None:
         state = dict(opt.state)
         for name, s in state.items():
-            s.lr_mult = torch.ones_like(s.exp_avg)
-            s.wd_mult = torch.ones_like(s.exp_avg)
-            s.step = torch.zeros(s.exp_avg.shape, dtype=torch.int64, device=s.exp_avg.device)
+            shape = s.exp_avg.shape if fields == "element" else (s.exp_avg.shape[0], 1)
+            s.lr_mult = torch.ones(shape, device=s.exp_avg.device)
+            s.wd_mult = torch.ones(shape, device=s.exp_avg.device)
+            s.step = torch.zeros(shape, dtype=torch.int64, device=s.exp_avg.device)
         opt.rebind(opt.params, state)
     return lambda: opt.step(LR)
 
@@ -89,7 +95,7 @@ def measure(case: str, args) -> dict:
     bits = 8 if case == "8-bit" else 32
     sides = {"growtrain": params_from(weights, grads), "torch_fused": params_from(weights, grads)}
     steps = {
-        "growtrain": growtrain_optimizer(sides["growtrain"], bits, case == "fp32 per-element"),
+        "growtrain": growtrain_optimizer(sides["growtrain"], bits, {"fp32 per-element": "element", "fp32 per-neuron": "neuron"}.get(case)),
         "torch_fused": torch_fused_optimizer(sides["torch_fused"]),
     }
     if bits == 8:
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--cases", default="fp32,fp32 per-element,8-bit", help="comma-separated subset of the cases")
+    p.add_argument("--cases", default="fp32,fp32 per-element,fp32 per-neuron,8-bit", help="comma-separated subset of the cases")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,10 +5,13 @@ Names, not parameter objects, because growth replaces modules: an operator maps 
 ones and transforms each moment by DESIGN.md §7's rule (a scaled copy β·p of p, with S the sum of β
 over p's copies, gets m/S, v/S², LR ×β, weight decay ×1/β and epsilon ×1/S), so that one step after
 growth moves the function as the same step before it would have. A multiplier is a float or a
-tensor shaped like its parameter.
+tensor that broadcasts to its parameter: its shape, or size 1 along the dims (after the first)
+where it does not vary, as growth keeps them (stages/transition.compact_fields: a redrawn
+neuron's fields are [E, F, 1], not [E, F, D]). The update broadcasts them, with the same values
+element by element as at full size.
 
 Two per-element refinements keep growth's dynamics:
-- `step` may be an integer tensor shaped like the parameter: elements that joined an existing
+- `step` may be an integer tensor (broadcasting to the parameter, like a multiplier): elements that joined an existing
   tensor fresh (new neurons, new heads) count their own steps, so Adam's bias correction treats
   them as a fresh parameter (zero moments under the tensor's copied step count would make their
   first updates ~0.45x normal at beta2 = 0.95, and several times too large at beta2 = 0.999).

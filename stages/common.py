@@ -62,7 +62,8 @@ def redraw_neurons(w_EFD: torch.Tensor, redraw_EF: torch.Tensor, hidden_dim: int
     own matrix. Each expert's draws come from a generator of its own, keyed by its global index
     (`experts_E`, default 0..E-1) and one draw of the seeded RNG, on the CPU: the same numbers
     whatever the device and whichever rank holds the expert (stages/sharding.py).
-    Returns the weight and the mask of redrawn elements."""
+    Returns the weight and the mask of redrawn elements, [E, F, 1] or [E, 1, F]: it broadcasts to
+    the weight (a neuron is redrawn whole), so the bookkeeping costs a neuron, not an element."""
     from growtrain.stages import sharding
 
     stats = w_EFD.double().flatten(1)
@@ -71,7 +72,7 @@ def redraw_neurons(w_EFD: torch.Tensor, redraw_EF: torch.Tensor, hidden_dim: int
     experts_E = torch.arange(w_EFD.shape[0]) if experts_E is None else experts_E
     unit = sharding.expert_normal(tuple(w_EFD.shape[1:]), experts_E, sharding.draw_key())
     draw = unit * std.cpu().view(shape) + mean.cpu().view(shape)
-    mask = redraw_EF.unsqueeze(2 if hidden_dim == 1 else 1).expand(w_EFD.shape).to(w_EFD.device)
+    mask = along_hidden(redraw_EF, hidden_dim).to(w_EFD.device)
     return torch.where(mask, draw.to(device=w_EFD.device, dtype=w_EFD.dtype), w_EFD), mask
 
 
@@ -91,8 +92,10 @@ def sibling_copies(kept_EF: torch.Tensor, parent_E: torch.Tensor, n_parents: int
     return totals[parent_E].clamp_min(1.0)  # a neuron every sibling redrew is fresh everywhere: S unused
 
 
-def along_hidden(v_EF: torch.Tensor, shape: torch.Size, hidden_dim: int) -> torch.Tensor:
-    return v_EF.unsqueeze(2 if hidden_dim == 1 else 1).expand(shape).clone()
+def along_hidden(v_EF: torch.Tensor, hidden_dim: int) -> torch.Tensor:
+    """A per-neuron [E, F] field shaped to broadcast over an expert weight whose hidden dim is
+    `hidden_dim` (w_gate / w_up [E, F, D]: 1; w_down [E, D, F]: 2)."""
+    return v_EF.unsqueeze(2 if hidden_dim == 1 else 1)
 
 
 def require_full_experts(cfg, op: str, why: str = "") -> None:

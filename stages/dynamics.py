@@ -103,7 +103,7 @@ def fresh_masks(model, provenance) -> dict[str, torch.Tensor]:
         if prov.kind in ("new", "reset"):
             out[name] = torch.ones(p.shape, dtype=torch.bool, device=p.device)
         elif prov.kind == "copy" and prov.fresh is not None and sharding.any_elements(prov.fresh):
-            out[name] = prov.fresh.to(p.device).bool()
+            out[name] = prov.fresh.to(p.device).bool().expand(p.shape)  # a per-neuron mask broadcast (a view)
     return out
 
 

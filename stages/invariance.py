@@ -218,15 +218,19 @@ def structure_problems(old_model, new_model, provenance: dict[str, Provenance], 
     )
     if altered:
         problems.append(f"carried parameters that do not hold their source's values: {altered[:4]}")
-    bad_masks = sorted(
-        n for n, p in provenance.items() if p.fresh is not None and n in params and tuple(p.fresh.shape) != tuple(params[n].shape)
-    )
+    bad_masks = sorted(n for n, p in provenance.items() if p.fresh is not None and n in params and not broadcasts_to(p.fresh, params[n].shape))
     if bad_masks:
-        problems.append(f"fresh-element masks shaped unlike their parameters: {bad_masks[:4]}")
+        problems.append(f"fresh-element masks that do not broadcast to their parameters: {bad_masks[:4]}")
     actual = sharding.count_parameters(new_model)  # expert shards summed over the ranks
     if actual != planned_params:
         problems.append(f"parameter count {actual:,} differs from the planned {planned_params:,}")
     return problems
+
+
+def broadcasts_to(t: torch.Tensor, shape) -> bool:
+    """A per-element field's layout (Provenance, ParamState): the parameter's shape, or size 1
+    along dims after the first where the field does not vary."""
+    return t.ndim == len(shape) and t.shape[:1] == tuple(shape)[:1] and all(a in (1, b) for a, b in zip(t.shape, shape))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -253,13 +257,17 @@ def optimizer_problems(new_model, state: dict) -> list[str]:
         s = state.get(name)
         if s is None:
             continue
-        tensors = [s.exp_avg, s.exp_avg_sq] + [x for x in (s.step, s.lr_mult, s.wd_mult, s.eps_mult, s.norm_mult) if isinstance(x, torch.Tensor)]
-        if any(tuple(t.shape) != tuple(p.shape) for t in tensors):
+        fields = [x for x in (s.step, s.lr_mult, s.wd_mult, s.eps_mult, s.norm_mult) if isinstance(x, torch.Tensor)]
+        tensors = [s.exp_avg, s.exp_avg_sq] + fields
+        if tuple(s.exp_avg.shape) != tuple(p.shape) or tuple(s.exp_avg_sq.shape) != tuple(p.shape) or not all(broadcasts_to(t, p.shape) for t in fields):
             misshaped.append(name)
         elif not all(bool(torch.isfinite(t.float()).all()) for t in tensors):
             nonfinite.append(name)
     if misshaped:
-        problems.append(f"optimizer state shaped unlike its parameter: {misshaped[:4]}")
+        problems.append(
+            f"optimizer state shaped unlike its parameter: {misshaped[:4]} (moments take its shape; step counts and multipliers its "
+            "shape or size 1 along dims after the first)"
+        )
     if nonfinite:
         problems.append(f"non-finite optimizer state: {nonfinite[:4]}")
     return problems

@@ -41,11 +41,14 @@ class Provenance:
     state, replacing `source`, whose values were folded into frozen buffers: an expert matrix
     quantized into its NF4 base, an adapter merged into it; `source` counts as used).
 
-    `copies` (S) and `beta` are floats, or tensors shaped like the new parameter where they vary
-    per element (a split down-projection column, a neuron duplicated more often than others).
-    `fresh` (copy only): a bool mask shaped like the new parameter of elements that are not copies
-    at all but newly drawn (new neurons, new heads, re-initialized rows): they get fresh state with
-    their own step count, inside the same tensor.
+    `copies` (S) and `beta` are floats, or tensors where they vary per element (a split
+    down-projection column, a neuron duplicated more often than others).
+    `fresh` (copy only): a bool mask of elements that are not copies at all but newly drawn (new
+    neurons, new heads, re-initialized rows): they get fresh state with their own step count,
+    inside the same tensor.
+    A tensor field is shaped like the new parameter, or keeps size 1 along the dims where it does
+    not vary (same number of dims, broadcasting to the parameter): a per-neuron field of an expert
+    weight [E, F, D] is [E, F, 1].
     `perturbed` (copy only): a bool mask (or True: all) of copied elements the operator moved on
     purpose by noise (widen_hidden's null-space noise, clone's router noise), each by at most
     `perturb_bound` (absolute); the value check (stages/values.py) holds every other copied element

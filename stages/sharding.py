@@ -156,6 +156,13 @@ def all_ranks(flag: bool) -> bool:
     return not any_ranks(not flag)
 
 
+def all_ranks_each(flags: list[bool]) -> list[bool]:
+    """Per flag, whether it holds on every rank (one all-reduce for all of them)."""
+    if not _active() or not flags:
+        return [bool(f) for f in flags]
+    return [v == 0 for v in max_ranks(*(float(not f) for f in flags))]
+
+
 def any_elements(mask: torch.Tensor | None) -> bool:
     """Whether a (sharded) mask has a True element on some rank."""
     return any_ranks(mask is not None and bool(mask.any()))
@@ -183,6 +190,15 @@ def sum_tensor(t: torch.Tensor) -> torch.Tensor:
         return t
     out = t.to(_device()).clone()
     dist.all_reduce(out)
+    return out.to(t.device)
+
+
+def reduce_tensor(t: torch.Tensor, dst: int) -> torch.Tensor:
+    """`t` summed over the ranks onto rank `dst` (a copy; on the other ranks it holds partial sums)."""
+    if not _active():
+        return t
+    out = t.to(_device()).clone()
+    dist.reduce(out, dst=dst)
     return out.to(t.device)
 
 

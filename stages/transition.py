@@ -87,16 +87,17 @@ def map_optimizer_state(old: dict[str, ParamState], model, provenance: dict[str,
 
 
 def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool) -> ParamState:
-    t = prov.transform
-    # Operators build S, β and masks on the CPU; the state lives with the parameter.
+    # Operators build S, β and masks on the CPU; the state lives with the parameter. A compact
+    # field (see compact_fields) is transformed at its full size, one tensor at a time.
+    source_shape = tuple(s.exp_avg.shape)
+    t = lambda x: prov.transform(x.expand(source_shape))  # noqa: E731
     S, beta = (x.to(s.exp_avg.device) if isinstance(x, torch.Tensor) else x for x in (prov.copies, prov.beta))
     f32 = lambda x: x.to(torch.float32) if isinstance(x, torch.Tensor) else x  # noqa: E731
-    shape = tuple(p.shape)
     step = t(s.step) if isinstance(s.step, torch.Tensor) else s.step
     state = ParamState(
         step,
-        f32(t(s.exp_avg) / S),
-        f32(t(s.exp_avg_sq) / S**2),
+        f32(prov.transform(s.exp_avg) / S),
+        f32(prov.transform(s.exp_avg_sq) / S**2),
         f32(_scaled(s.lr_mult, t, beta)),
         f32(_scaled(s.wd_mult, t, 1 / beta)),
         f32(_scaled(s.eps_mult, t, 1 / S)),
@@ -104,7 +105,7 @@ def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool) 
     )
     if prov.fresh is not None and sharding.any_elements(prov.fresh):  # one verdict on every rank: the transforms are collectives
         fresh = prov.fresh.to(state.exp_avg.device)
-        counts = step if isinstance(step, torch.Tensor) else torch.full(shape, step, dtype=torch.int32, device=fresh.device)
+        counts = step if isinstance(step, torch.Tensor) else torch.full(fresh.shape, step, dtype=torch.int32, device=fresh.device)
         state = ParamState(
             counts.masked_fill(fresh, 0),
             state.exp_avg.masked_fill(fresh, 0.0),
@@ -114,13 +115,41 @@ def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool) 
             _blend(fresh, 1.0, state.eps_mult),
             _blend(fresh, 1.0, state.norm_mult),
         )
-    # Tensor multipliers are kept shaped like the parameter, so later growth can transform them.
-    full = lambda x: x.expand(shape).clone() if isinstance(x, torch.Tensor) and tuple(x.shape) != shape else x  # noqa: E731
-    return ParamState(full(state.step), state.exp_avg, state.exp_avg_sq, *(full(x) for x in (state.lr_mult, state.wd_mult, state.eps_mult, state.norm_mult)))
+    return compact_fields(state, tuple(p.shape))
+
+
+def compact_fields(s: ParamState, shape: tuple[int, ...]) -> ParamState:
+    """`s` with every tensor step count and multiplier shaped like its parameter except along the
+    dims (after the first) where it does not vary, which it keeps at size 1 (DESIGN.md §15: per-
+    element fields only where elements differ). Lossless: the field broadcasts back to the same
+    values. Drop-upcycling's redrawn neurons vary along the expert hidden dim only, so their step
+    counts and multipliers cost [E, F, 1] instead of [E, F, D]. The verdict for each dim is taken
+    over all ranks (one all-reduce), so every expert shard of a tensor keeps the same layout (the
+    checkpoint concatenates them, a later EP size re-cuts them)."""
+    names = ("step", "lr_mult", "wd_mult", "eps_mult", "norm_mult")
+    values = {k: getattr(s, k) for k in names}
+    dims = range(1, len(shape))
+    flags = []
+    for k in names:
+        x = values[k]
+        if isinstance(x, torch.Tensor):
+            x = x.expand(shape)
+            values[k] = x
+        flags += [not isinstance(x, torch.Tensor) or bool((x == x.narrow(d, 0, 1)).all()) for d in dims]
+    flags = sharding.all_ranks_each(flags)
+    for i, k in enumerate(names):
+        x = values[k]
+        if not isinstance(x, torch.Tensor):
+            continue
+        for j, d in enumerate(dims):
+            if flags[i * len(dims) + j]:
+                x = x.narrow(d, 0, 1)
+        values[k] = x.contiguous()
+    return ParamState(values["step"], s.exp_avg, s.exp_avg_sq, values["lr_mult"], values["wd_mult"], values["eps_mult"], values["norm_mult"])
 
 
 def _scaled(mult, transform, factor):
-    """A multiplier (float, or tensor shaped like its parameter) carried through `transform` and scaled."""
+    """A multiplier (float, or tensor broadcasting to its parameter) carried through `transform` and scaled."""
     return transform(mult) * factor if isinstance(mult, torch.Tensor) else mult * factor
 
 
@@ -130,7 +159,7 @@ def _blend(fresh: torch.Tensor, fresh_value: float, mapped):
         if mapped == fresh_value:
             return mapped
         mapped = torch.full(fresh.shape, mapped, dtype=torch.float32, device=fresh.device)
-    return mapped.expand(fresh.shape).masked_fill(fresh, fresh_value)
+    return mapped.expand(torch.broadcast_shapes(fresh.shape, mapped.shape)).masked_fill(fresh, fresh_value)
 
 
 def growth_seed(seed: int, stage_index: int, step_index: int) -> int:

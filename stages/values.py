@@ -18,8 +18,9 @@ them. These checks read the provenance alone, not the operator's code path:
   most bitsandbytes' own NF4 round-trip error on the same full-precision weights.
 
 Problems are worded "values: ..." and name the parameter (hence the block) and the number.
-Cost: per copied parameter one transform of the source and of an index tensor (peak: one
-parameter's worth, int32/int64 plus a float64 sum per source element); for NF4 one dequantization
+Cost: per copied parameter one transform of the source, of an index tensor and of the sums
+(peak: one parameter's worth of int32 indices and float64 sums; on expert shards never more than
+the rank's own shard of a tensor); for NF4 one dequantization
 of every base per operator, plus one bitsandbytes quantize/dequantize round trip of the experts at
 quantize_experts and merge_adapters.
 """
@@ -83,7 +84,7 @@ def _copy_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Te
         expected = grown * beta.to(device=grown.device, dtype=grown.dtype)
     else:
         expected = grown * beta if beta != 1.0 else grown
-    copied = ~prov.fresh.to(new.device) if prov.fresh is not None else torch.ones(new.shape, dtype=torch.bool, device=new.device)
+    copied = (~prov.fresh.to(new.device)).expand(new.shape) if prov.fresh is not None else torch.ones(new.shape, dtype=torch.bool, device=new.device)
     noisy = _full(prov.perturbed, new, torch.bool) & copied if prov.perturbed is not None else None
     keep = copied & ~noisy if noisy is not None else copied
     problems = []
@@ -115,20 +116,41 @@ def _copy_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Te
 def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Tensor, keep: torch.Tensor, source_sharded: bool = False, copies_sharded: bool = False) -> list[str]:
     """S derived from the transform and β against the declared S, on the kept elements.
 
-    On expert shards (rank r of W): a sharded source (`old` is this rank's block of an expert
-    tensor) has its elements numbered globally; the copies of a sharded target may sit on other
-    ranks, so the sums per source element are summed over the ranks (a float64 vector of the
-    source's whole size, one tensor at a time)."""
+    The source's elements are numbered (globally on expert shards: rank r of W holds elements
+    [r·n, (r+1)·n) of a sharded source of n local elements) and pushed through the transform; the β
+    of the kept copies summed per source element gives its S, which the transform then carries
+    back onto every copy. The copies of a sharded source may sit on other ranks: each rank's partial
+    sums for the elements rank s holds are reduced onto rank s, one source rank at a time, so no
+    rank ever holds more than a vector of its own source's size (float64)."""
     ep = sharding.current()
     W, r = (ep.size, ep.rank) if ep is not None and source_sharded else (1, 0)
-    total, first = old.numel() * W, old.numel() * r
-    index_dtype = torch.int32 if total < 2**31 else torch.int64
-    index = prov.transform(torch.arange(first, first + old.numel(), dtype=index_dtype, device=old.device).view(old.shape)).long()
-    beta = _full(prov.beta, new, torch.float64)
-    sums = torch.zeros(total, dtype=torch.float64, device=old.device).index_add_(0, index[keep], beta[keep])
-    if copies_sharded:
-        sums = sharding.sum_tensor(sums)
-    derived = sums[index]
+    n = old.numel()
+    index_dtype = torch.int32 if n * W < 2**31 else torch.int64
+    index = prov.transform(torch.arange(r * n, (r + 1) * n, dtype=index_dtype, device=old.device).view(old.shape))
+    if isinstance(prov.beta, torch.Tensor):
+        beta = prov.beta.to(device=old.device, dtype=torch.float64).expand(new.shape)[keep]
+    else:  # one value for every copy: not materialised
+        beta = torch.tensor(float(prov.beta), dtype=torch.float64, device=old.device).expand(int(keep.sum()))
+    index = index[keep]
+    if W > 1 and copies_sharded:
+        sums = None
+        for s in range(W):
+            held_by_s = (index >= s * n) & (index < (s + 1) * n)
+            part = torch.zeros(n, dtype=torch.float64, device=old.device).index_add_(0, index[held_by_s] - s * n, beta[held_by_s])
+            part = sharding.reduce_tensor(part, dst=s)
+            if s == r:
+                sums = part
+        del index, beta
+        derived = prov.transform(sums.view(old.shape))
+    elif W > 1:  # a sharded source whose copies are all here: every source element's sum is local
+        sums = torch.zeros(n * W, dtype=torch.float64, device=old.device).index_add_(0, index, beta)
+        derived = sums[prov.transform(torch.arange(r * n, (r + 1) * n, dtype=index_dtype, device=old.device).view(old.shape)).long()]
+    else:
+        sums = torch.zeros(n, dtype=torch.float64, device=old.device).index_add_(0, index, beta)
+        del index, beta
+        if copies_sharded:  # a replicated source (upcycle's dense FFN) copied onto expert shards
+            sums = sharding.sum_tensor(sums)
+        derived = prov.transform(sums.view(old.shape))
     declared = _full(prov.copies, new, torch.float64)
     off = (derived - declared).abs() > S_RTOL * derived.abs().clamp_min(1.0)
     off &= keep

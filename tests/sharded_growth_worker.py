@@ -4,8 +4,9 @@ shards by a list of operators (stages/sharding.py) with every check on. Each ran
 rank-R.json under argv[1]: the growth records (or the failed one), its verdict, its grown expert
 tensors and the mapped optimizer state of one expert tensor.
 
-argv[2]: the operators, JSON [[name, {args}], ...]; argv[3]: a mutation ("none", or "local_layout":
-split and clone leave their children in the local order instead of moving them to their owners).
+argv[2]: the operators, JSON [[name, {args}], ...]; argv[3]: a mutation ("none"; "local_layout":
+split and clone leave their children in the local order instead of moving them to their owners;
+"wrong_copies": the last rank's clones declare half their copy count S).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def main(out: str, ops_json: str, mutation: str) -> None:
         import growtrain.stages.operators.experts as experts
 
         experts.children_to_owners = lambda t, m, E: t
+    if mutation == "wrong_copies":  # the last rank's clones declare half their copy count S
+        import growtrain.stages.operators.experts as experts
+
+        true_copies, last = experts.sibling_copies, rank == W - 1
+        experts.sibling_copies = lambda *a: true_copies(*a) * (0.5 if last else 1.0)
     steps = [GrowthStep(name, get_operator(name).args_type(**args)) for name, args in json.loads(ops_json)]
     planned = plan_stage_models(cfg, [steps])[0]
     probe = (tokens(99), tokens(98))

@@ -20,7 +20,7 @@ def test_gpu_checks_cpu_form_trains_resumes_and_counts_syncs(tmp_path):
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
     train = summary["3_train_resume"]
     assert train["growth_checks"] == "passed" and train["resumed"] and train["resume_bitwise"], train
-    # On the CPU the "device" run is the CPU run: equal losses.
-    assert train["max_rel_loss_diff_first_steps"] == 0.0, train
+    # On the CPU the "device" run would be the CPU reference run: it is run once, nothing compared.
+    assert train["max_rel_loss_diff_first_steps"] is None and train["killed_rc"] == -9, train
     assert summary["4_memory_vs_plan"]["applicable"] is False
     assert summary["5_host_syncs"]["syncs_per_step_4_moe_blocks_accum2"] == 1, summary["5_host_syncs"]

@@ -270,9 +270,11 @@ def test_drop_upcycling_is_approximate_with_fresh_state_on_the_redrawn_neurons(f
     assert record["exact"] is False and record["metrics"]["rel_l2"] > 1e-3
     s = outcome.optimizer_state["blocks.0.g.ffn.experts.w_up"]
     dense = opt.state["blocks.0.g.ffn.w_up.weight"]
-    redrawn = s.step == 0
+    assert tuple(s.step.shape) == (4, F_DENSE, 1)  # per neuron (tests/test_compact_state.py)
+    steps = s.step.expand(s.exp_avg.shape)
+    redrawn = steps == 0
     assert redrawn.any() and (~redrawn).any()
-    assert torch.count_nonzero(s.exp_avg[redrawn]) == 0 and (s.step[~redrawn] == dense.step).all()
+    assert torch.count_nonzero(s.exp_avg[redrawn]) == 0 and (steps[~redrawn] == dense.step).all()
     # A kept element's S is the number of experts that kept its neuron.
     kept_E_F = ~redrawn[:, :, 0]
     S_F = kept_E_F.sum(0).float()
@@ -647,7 +649,10 @@ def test_after_zero_init_growth_old_elements_step_as_before_and_new_ones_as_a_fr
 
 
 def grown_state_step(growth, name, model, opt):
-    return map_optimizer_state(copy.deepcopy(opt.state), growth.model, growth.provenance)[name].step
+    """The mapped per-element step counts of `name`, at the parameter's shape (they are stored
+    compact: size 1 along the dims where they do not vary)."""
+    step = map_optimizer_state(copy.deepcopy(opt.state), growth.model, growth.provenance)[name].step
+    return step.expand(growth.model.get_parameter(name).shape)
 
 
 # ---------------------------------------------------------------- optimizer state: per-element counts, clip weights

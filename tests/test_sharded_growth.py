@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -116,6 +117,18 @@ def test_children_left_on_the_wrong_rank_fail_the_check_on_every_rank(tmp_path):
     assert any("exact operator" in p for p in failed[0]["problems"]), failed[0]["problems"]
     # In one process the local order is the global one: the same mutation changes nothing.
     assert grow(tmp_path, 1, EXPERTS_TRANSITION, "local_layout")[0]["passed"]
+
+
+@pytest.mark.slow
+def test_a_wrong_copy_count_on_one_rank_fails_the_value_check_on_every_rank(tmp_path):
+    # A clone's S counts siblings that sit on other ranks: the derivation sums over ranks, so a
+    # wrong S on one rank is found, and every rank reaches the same verdict.
+    ranks = grow(tmp_path, 2, EXPERTS_TRANSITION, "wrong_copies")
+    assert not any(r["passed"] for r in ranks)
+    failed = [r["records"][-1] for r in ranks]
+    assert all(f["operator"] == "clone_experts" for f in failed)
+    assert failed[0]["problems"] == failed[1]["problems"]
+    assert any(re.search(r"declare copy count S = (0\.5|1) where the transform and β give (1|2) ", p) for p in failed[0]["problems"]), failed[0]["problems"]
 
 
 # ------------------------------------------------------------------------- without processes

@@ -375,11 +375,13 @@ def growth_peak_bytes(cfg_before, steps, optimizer_cfg, counts: dict) -> int:
     return peak
 
 
-# Per-element bookkeeping of an operator that marks fresh elements inside copied expert tensors
+# Per-neuron bookkeeping of an operator that marks fresh neurons inside copied expert tensors
 # (drop-upcycling: upcycle_moe with drop_ratio > 0, clone_experts with reinit_fraction > 0), per
-# grown expert weight: the provenance's copy count S (fp32) and fresh mask (bool), and, in the
-# mapped optimizer state, a per-element step count (int32) and the eps and clip-norm multipliers
-# 1/S and S (fp32; the LR and weight-decay multipliers stay scalars at β = 1).
+# grown expert neuron (a row of w_gate / w_up, a column of w_down: d_model elements): the
+# provenance's copy count S (fp32) and fresh mask (bool), and, in the mapped optimizer state, a
+# step count (int32) and the eps and clip-norm multipliers 1/S and S (fp32; the LR and
+# weight-decay multipliers stay scalars at β = 1). They vary per neuron only, so they are kept
+# [E, F, 1] / [E, 1, F] (stages/transition.compact_fields), not per element.
 _FRESH_PROVENANCE_BYTES = 4 + 1
 _FRESH_STATE_BYTES = 4 + 4 + 4
 
@@ -435,9 +437,9 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         new_cfg = get_operator(step.op).plan(cfg, step.args)
         new = count(new_cfg)
         fresh = _marks_fresh(step)
-        elements = expert_weights(new_cfg) / 4  # fp32 expert weights
-        book = elements * (_FRESH_PROVENANCE_BYTES + _FRESH_STATE_BYTES) if fresh else 0.0
-        new_carried = elements * _FRESH_STATE_BYTES if fresh else (0.0 if new_cfg.moe is not None and new_cfg.moe.expert_format == "nf4" else carried)
+        neurons = expert_weights(new_cfg) / 4 / new_cfg.d_model  # fp32 expert weights, d_model per neuron
+        book = neurons * (_FRESH_PROVENANCE_BYTES + _FRESH_STATE_BYTES) if fresh else 0.0
+        new_carried = neurons * _FRESH_STATE_BYTES if fresh else (0.0 if new_cfg.moe is not None and new_cfg.moe.expert_format == "nf4" else carried)
         trainable = sum(t.bytes * share(t) for t in new.tensors if t.trainable)
         trainable_old = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable)
         optimizer = sum(t.optimizer_bytes * share(t) for t in new.tensors) + new_carried

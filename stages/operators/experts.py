@@ -325,7 +325,7 @@ def apply_clone(model, args: CloneExpertsArgs) -> Growth:
         hidden_dim = 1 if what in ("w_gate", "w_up") else 2
         grown, fresh = redraw_neurons(children(w), redraw[block][lo:hi], hidden_dim, torch.arange(lo, hi))
         new[name] = grown
-        copies = along_hidden(sibling_copies(~redraw[block], parent, E)[lo:hi], grown.shape, hidden_dim)
+        copies = along_hidden(sibling_copies(~redraw[block], parent, E)[lo:hi], hidden_dim)
         provenance[name] = Provenance("copy", name, children, copies=copies, beta=1.0, fresh=fresh)
     if nf4:
         for b in moe_blocks(old_cfg):

@@ -112,7 +112,7 @@ def apply(model, args: UpcycleArgs) -> Growth:
             hidden_dim = 2 if matrix == "w_down" else 1
             new[name], fresh = redraw_neurons(new[name], redraw[block][lo:hi], hidden_dim, torch.arange(lo, hi))
             copies = sibling_copies(~redraw[block], torch.zeros(E, dtype=torch.long), 1)[lo:hi]
-            provenance[name] = Provenance("copy", source, expand, copies=along_hidden(copies, new[name].shape, hidden_dim), fresh=fresh)
+            provenance[name] = Provenance("copy", source, expand, copies=along_hidden(copies, hidden_dim), fresh=fresh)
             continue
         carry(name, old[name], params, new, provenance)
     return Growth(materialize(new_cfg, new), provenance)
