@@ -1,6 +1,6 @@
 """Growth on expert shards (issue 14, stages/sharding.py): the operators of the 120B recipe
 (upcycle_moe, widen_hidden, deepen, split_experts, clone_experts with drop-upcycling,
-quantize_experts; and NF4 split, clone and merge_adapters) applied to a model whose experts are
+quantize_experts; NF4 split, clone and merge_adapters; add_dense_lora) applied to a model whose experts are
 sharded over 2 (and 4) gloo processes give the grown model, optimizer state and growth report of one
 process; a sharded operator that leaves children on the wrong rank fails its check on every rank.
 Every torchrun here checks NCCL's rules (GROWTRAIN_CHECK_COLLECTIVES=1)."""
@@ -26,6 +26,8 @@ UPCYCLE_WIDEN = [
     ["upcycle_moe", {"num_experts": 4, "top_k": 2, "layers": [0], "balance_bias_rate": 0.01, "drop_ratio": 0.25}],
     ["widen_hidden", {"factor": 2, "noise": 0.01}],
 ]
+# The model's last form: peft LoRA on the dense layers (attention and the lm_head), experts carried.
+DENSE_LORA = [["add_dense_lora", {"r": 4, "lora_alpha": 8.0, "target_modules": ["wq", "wv", "wo", "lm_head"]}]]
 NF4_TRANSITION = [
     ["quantize_experts", {"r": 4, "lora_alpha": 4, "double_quant": False}],
     ["deepen", {}],
@@ -97,24 +99,31 @@ def assert_same_growth(ranks: list[dict], one: dict) -> None:
 # EP 4 (one expert per rank before the split) for the experts transition; EP 2 for the others.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "ops, worlds", [(EXPERTS_TRANSITION, (2, 4)), (NF4_TRANSITION, (2,)), (UPCYCLE_WIDEN, (2,))], ids=["full_then_quantize", "nf4", "upcycle_widen"]
+    "ops, worlds",
+    [(EXPERTS_TRANSITION, (2, 4)), (NF4_TRANSITION, (2,)), (UPCYCLE_WIDEN, (2,)), (DENSE_LORA, (2,))],
+    ids=["full_then_quantize", "nf4", "upcycle_widen", "dense_lora"],
 )
 def test_growth_on_expert_shards_equals_one_process(tmp_path, ops, worlds):
     one = grow(tmp_path, 1, ops)[0]
     ops_seen = [r["operator"] for r in one["records"]]
-    assert ops_seen == [name for name, _ in ops] + ["transition"]
+    assert ops_seen == [name for name, _ in ops] + (["transition"] if len(ops) > 1 else [])
     for world in worlds:
         assert_same_growth(grow(tmp_path, world, ops), one)
 
 
-@pytest.mark.slow
-def test_children_left_on_the_wrong_rank_fail_the_check_on_every_rank(tmp_path):
-    ranks = grow(tmp_path, 2, EXPERTS_TRANSITION, "local_layout")
+def failed_alike(ranks: list[dict], operator: str) -> list[str]:
+    """The problems of a growth that failed at `operator` on every rank with the same verdict."""
     assert not any(r["passed"] for r in ranks)
     failed = [r["records"][-1] for r in ranks]
-    assert all(f["operator"] == "split_experts" for f in failed)
-    assert failed[0]["problems"] == failed[1]["problems"], "every rank must reach the same verdict"
-    assert any("exact operator" in p for p in failed[0]["problems"]), failed[0]["problems"]
+    assert all(f["operator"] == operator for f in failed), [f["operator"] for f in failed]
+    assert all(f["problems"] == failed[0]["problems"] for f in failed), "every rank must reach the same verdict"
+    return failed[0]["problems"]
+
+
+@pytest.mark.slow
+def test_children_left_on_the_wrong_rank_fail_the_check_on_every_rank(tmp_path):
+    problems = failed_alike(grow(tmp_path, 2, EXPERTS_TRANSITION, "local_layout"), "split_experts")
+    assert any("exact operator" in p for p in problems), problems
     # In one process the local order is the global one: the same mutation changes nothing.
     assert grow(tmp_path, 1, EXPERTS_TRANSITION, "local_layout")[0]["passed"]
 
@@ -123,12 +132,8 @@ def test_children_left_on_the_wrong_rank_fail_the_check_on_every_rank(tmp_path):
 def test_a_wrong_copy_count_on_one_rank_fails_the_value_check_on_every_rank(tmp_path):
     # A clone's S counts siblings that sit on other ranks: the derivation sums over ranks, so a
     # wrong S on one rank is found, and every rank reaches the same verdict.
-    ranks = grow(tmp_path, 2, EXPERTS_TRANSITION, "wrong_copies")
-    assert not any(r["passed"] for r in ranks)
-    failed = [r["records"][-1] for r in ranks]
-    assert all(f["operator"] == "clone_experts" for f in failed)
-    assert failed[0]["problems"] == failed[1]["problems"]
-    assert any(re.search(r"declare copy count S = (0\.5|1) where the transform and β give (1|2) ", p) for p in failed[0]["problems"]), failed[0]["problems"]
+    problems = failed_alike(grow(tmp_path, 2, EXPERTS_TRANSITION, "wrong_copies"), "clone_experts")
+    assert any(re.search(r"declare copy count S = (0\.5|1) where the transform and β give (1|2) ", p) for p in problems), problems
 
 
 # ------------------------------------------------------------------------- without processes

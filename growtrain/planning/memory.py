@@ -406,7 +406,7 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     (stages/sharding.py), a rank holds its E/W experts of every model alive at once and the whole
     dense part, with the dense optimizer state gathered from its ZeRO-1 owners: the stage's first
     model (kept for the transition's own check), the current operator's old and new model with
-    their state, the new model's per-element bookkeeping, the dynamics check's working set (the
+    their state, the new model's per-neuron bookkeeping, the dynamics check's working set (the
     new side's saved trainable weights, gradients and updates and a copy of its optimizer state,
     with the old side's updates), and the probes (`probe`: the invariance probe's batch and
     sequence length): the stage's first, the old and the new model's, plus four logit tensors of
@@ -431,7 +431,7 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     def expert_weights(c) -> float:
         return sum(t.bytes * share(t) for t in count(c).tensors if t.expert_sharded and t.trainable and t.role == "routed_experts")
 
-    peak, cfg, carried = 0.0, cfg_before, 0.0  # carried: per-element state fields of the current model
+    peak, cfg, carried = 0.0, cfg_before, 0.0  # carried: per-neuron state fields of the current model
     start = held(cfg_before)
     for j, step in enumerate(steps):
         new_cfg = get_operator(step.op).plan(cfg, step.args)

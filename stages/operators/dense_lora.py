@@ -92,5 +92,6 @@ register(
         AddDenseLoRAArgs,
         plan,
         apply,
+        shards=True,  # the experts are carried as each rank holds them; the adapters are dense, drawn alike on every rank
     )
 )
