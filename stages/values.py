@@ -132,7 +132,7 @@ def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.
     else:  # one value for every copy: not materialised
         beta = torch.tensor(float(prov.beta), dtype=torch.float64, device=old.device).expand(int(keep.sum()))
     index = index[keep]
-    if W > 1 and copies_sharded:
+    if W > 1:
         sums = None
         for s in range(W):
             held_by_s = (index >= s * n) & (index < (s + 1) * n)
@@ -142,9 +142,6 @@ def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.
                 sums = part
         del index, beta
         derived = prov.transform(sums.view(old.shape))
-    elif W > 1:  # a sharded source whose copies are all here: every source element's sum is local
-        sums = torch.zeros(n * W, dtype=torch.float64, device=old.device).index_add_(0, index, beta)
-        derived = sums[prov.transform(torch.arange(r * n, (r + 1) * n, dtype=index_dtype, device=old.device).view(old.shape)).long()]
     else:
         sums = torch.zeros(n, dtype=torch.float64, device=old.device).index_add_(0, index, beta)
         del index, beta
