@@ -113,9 +113,18 @@ def resolve_device(setting: str, dist: Dist) -> torch.device:
 
 
 def _owning(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a copy of it when it views a larger storage (an expert shard cut from a memory-mapped
-    checkpoint file): a parameter assigned from it would otherwise keep the whole storage alive."""
-    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+    """`t`, or a copy of it in storage of its own, aligned as the allocator aligns, when it views a
+    larger storage (an expert shard cut from a memory-mapped checkpoint file: a parameter assigned
+    from it would otherwise keep the whole storage alive) or starts off a 64-byte boundary
+    (safetensors 0.8 loads tensors at 8-byte offsets in the file's buffer, and the AVX-512 CPU
+    kernels round such an operand otherwise than an aligned one: a resumed run would drift from the
+    uninterrupted one by a few ulps per step)."""
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.data_ptr() % ALLOCATOR_ALIGNMENT:
+        return t.clone()
+    return t
+
+
+ALLOCATOR_ALIGNMENT = 64  # bytes: PyTorch's CPU allocator (c10 alignment), and the widest vector load
 
 
 def gpu_peak_tflops(device: torch.device) -> float | None:

@@ -395,3 +395,22 @@ def test_ranks_hash_disjoint_shares_of_the_files_that_together_cover_every_file(
     target.write_text("a: 2\n")
     found = [verify_checkpoint(path, (k, 3)) for k in range(3)]
     assert sum(bool(f) for f in found) == 1 and any("recipe.yaml: sha256 mismatch" in p for f in found for p in f)
+
+
+def test_resume_gives_every_loaded_tensor_aligned_storage_of_its_own(tmp_path):
+    """safetensors 0.8 returns tensors at 8-byte offsets of the file's buffer; the AVX-512 kernels
+    round a misaligned operand otherwise, so a resumed run drifted from the uninterrupted one by a
+    few ulps (tests/test_resume.py caught it). The trainer copies such tensors into aligned storage."""
+    from safetensors.torch import load_file, save_file
+
+    from growtrain.train import ALLOCATOR_ALIGNMENT, _owning
+
+    save_file({"a": torch.randn(3), "b": torch.randn(5, 7), "c": torch.randn(64)}, str(tmp_path / "m.safetensors"))
+    loaded = load_file(str(tmp_path / "m.safetensors"))
+    owned = {n: _owning(t) for n, t in loaded.items()}
+    for n, t in owned.items():
+        assert t.data_ptr() % ALLOCATOR_ALIGNMENT == 0 and torch.equal(t, loaded[n]), n
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), n
+    big = torch.randn(10, 4)
+    assert _owning(big) is big  # aligned and alone in its storage: no copy
+    assert _owning(big[2:4]).untyped_storage().nbytes() == 2 * 4 * 4  # a view of a larger storage: copied
