@@ -28,11 +28,80 @@ def materialize(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> GrowLM:
     return model
 
 
-def fresh_state(cfg: ModelConfig, like: GrowLM) -> dict[str, torch.Tensor]:
-    """A freshly initialized state dict of shape `cfg`, drawn from the current (seeded) RNG on the
-    CPU (same draws whatever the device), then put on `like`'s device and dtype."""
+def fresh_tensors(cfg: ModelConfig, names, like: GrowLM) -> dict[str, torch.Tensor]:
+    """Freshly initialized values of the tensors `names` of a model of shape `cfg`, and of no others
+    (never a whole random model: at scale that is the model's size again). The module that
+    initializes each one (its nearest enclosing attention, norm, FFN, router or experts module) is
+    built alone and reset by its own `reset_parameters`, seeded by one draw of the current (seeded)
+    RNG and the module's name. Routed experts are reset one expert at a time, seeded by their global
+    index, and on expert shards only this rank's are drawn (stages/sharding.py), so a grown model is
+    the same at any EP size. Drawn on the CPU (the same numbers whatever the device), then put on
+    `like`'s device and float dtype."""
+    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.stages import sharding
+
     ref = next(like.parameters())
-    return {k: v.to(device=ref.device, dtype=ref.dtype if v.is_floating_point() else v.dtype) for k, v in GrowLM(cfg).state_dict().items()}
+    with torch.device("meta"):
+        skeleton = GrowLM(cfg)
+    key = sharding.draw_key()
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        owners.setdefault(_initializer(skeleton, name), []).append(name)
+    out = {}
+    for path, wanted in owners.items():
+        module = skeleton.get_submodule(path)
+        if any(is_expert_tensor(n) for n in wanted):
+            values = _fresh_experts(module, sharding.sub_key(key, path))
+        else:
+            module.to_empty(device="cpu")
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(sharding.sub_key(key, path))
+                module.reset_parameters()
+            values = module.state_dict()
+        for name in wanted:
+            v = values[name[len(path) + 1 :]]
+            out[name] = v.to(device=ref.device, dtype=ref.dtype if v.is_floating_point() else v.dtype)
+    return out
+
+
+def _initializer(model: GrowLM, name: str) -> str:
+    """The path of the module whose reset_parameters initializes tensor `name` (GrowLM.init_weights:
+    a Linear inside an attention or FFN module is initialized by that module)."""
+    from torch import nn
+
+    parts = name.split(".")[:-1]
+    while parts:
+        module = model.get_submodule(".".join(parts))
+        if hasattr(module, "reset_parameters") and not isinstance(module, (nn.Embedding, nn.Linear)):
+            return ".".join(parts)
+        parts.pop()
+    raise ValueError(f"fresh_tensors: no module of the model initializes {name} on its own")
+
+
+def _fresh_experts(module, key: int) -> dict[str, torch.Tensor]:
+    """The experts module's state with this rank's experts freshly reset, each by a one-expert copy
+    of the module seeded by (key, its global index)."""
+    import copy
+
+    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.model.expert_parallel import cut_experts
+    from growtrain.stages import sharding
+
+    E = next(module.parameters()).shape[0]
+    lo, hi = sharding.local_range(E)
+    one = cut_experts(copy.deepcopy(module), 0, 1).to_empty(device="cpu")
+    rows: dict[str, list[torch.Tensor]] = {}
+    shared: dict[str, torch.Tensor] = {}
+    for e in range(lo, hi):
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(sharding.sub_key(key, e))
+            one.reset_parameters()
+        for k, v in one.state_dict().items():
+            if is_expert_tensor(f"experts.{k}"):
+                rows.setdefault(k, []).append(v.detach().clone())
+            else:
+                shared[k] = v.detach().clone()
+    return {**shared, **{k: torch.cat(v) for k, v in rows.items()}}
 
 
 def take(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ def expert_uniform(shape_per_expert: tuple[int, ...], experts: torch.Tensor, key
 
 
 def _per_expert(draw, experts: torch.Tensor, key: int) -> torch.Tensor:
-    return torch.stack([draw(torch.Generator().manual_seed(_mix(key, e))) for e in experts.tolist()])
+    return torch.stack([draw(torch.Generator().manual_seed(sub_key(key, e))) for e in experts.tolist()])
 
 
 def draw_key() -> int:
@@ -115,8 +115,9 @@ def draw_key() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def _mix(key: int, index: int) -> int:
-    digest = hashlib.blake2b(f"{key}/{index}".encode(), digest_size=8).digest()
+def sub_key(key: int, label) -> int:
+    """A seed derived from `key` and a label (an expert's global index, a module's name)."""
+    digest = hashlib.blake2b(f"{key}/{label}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 

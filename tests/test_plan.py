@@ -27,6 +27,7 @@ from growtrain.planning import (
 )
 from growtrain.recipe import GrowthStep, OptimizerConfig, load_recipe
 from growtrain.stages import get_operator, plan_stage_models
+from growtrain.stages.registry import OPERATORS
 from growtrain.train import forward_loss
 
 from conftest import run_cli
@@ -369,21 +370,25 @@ def test_a_stage_over_capacity_exits_1_and_says_so(capsys):
 # Growth per rank (issue 14)
 
 
-def test_growth_on_expert_shards_holds_less_per_rank_than_one_process_and_a_gathering_stage_does_not(big_plan, tmp_path):
+def test_growth_on_expert_shards_holds_less_per_rank_than_one_process_and_a_gathering_stage_does_not(big_plan, monkeypatch):
     grown = [s for s in big_plan.stages if s.growth_peak_bytes]
     assert [s.name for s in grown] == ["moe", "wide", "experts"]
     for s in grown:  # every operator of the 120B recipe grows expert shards
         assert 0 < s.growth_peak_bytes_per_rank < s.growth_peak_bytes, s.name
     assert all(s.growth_peak_bytes_per_rank == 0 for s in big_plan.stages if not s.growth_peak_bytes)
-    # widen_ffn cannot grow expert shards yet: that stage gathers the whole model on every rank.
+    # widen_ffn (fresh neurons, drawn expert by expert) grows the shards too; an operator that
+    # could not would have every rank gather the whole model.
     raw = load_recipe(TINY)
     stages = list(raw.stages)
     moe_index = next(i for i, s in enumerate(stages) if any(g.op == "upcycle_moe" for g in s.grow))
     later = stages[moe_index + 1]
     widen = GrowthStep("widen_ffn", get_operator("widen_ffn").args_type(ffn_hidden=0, expert_hidden=raw_hidden(raw, moe_index) * 2))
     stages[moe_index + 1] = replace(later, grow=[widen])
-    plan = plan_recipe(replace(raw, stages=stages), get_hardware("h100-80gb"))
-    row = plan.stages[moe_index + 1]
+    recipe = replace(raw, stages=stages)
+    row = plan_recipe(recipe, get_hardware("h100-80gb")).stages[moe_index + 1]
+    assert 0 < row.growth_peak_bytes_per_rank < row.growth_peak_bytes
+    monkeypatch.setitem(OPERATORS, "widen_ffn", replace(get_operator("widen_ffn"), shards=False))
+    row = plan_recipe(recipe, get_hardware("h100-80gb")).stages[moe_index + 1]
     assert row.growth_peak_bytes_per_rank == row.growth_peak_bytes > 0
 
 

@@ -1,6 +1,7 @@
 """Growth on expert shards (issue 14, stages/sharding.py): the operators of the 120B recipe
 (upcycle_moe, widen_hidden, deepen, split_experts, clone_experts with drop-upcycling,
-quantize_experts; NF4 split, clone and merge_adapters; add_dense_lora) applied to a model whose experts are
+quantize_experts; NF4 split, clone and merge_adapters; add_dense_lora) and those that draw fresh
+weights (add_heads, widen_ffn, deepen with fresh blocks) applied to a model whose experts are
 sharded over 2 (and 4) gloo processes give the grown model, optimizer state and growth report of one
 process; a sharded operator that leaves children on the wrong rank fails its check on every rank.
 Every torchrun here checks NCCL's rules (GROWTRAIN_CHECK_COLLECTIVES=1)."""
@@ -28,11 +29,20 @@ UPCYCLE_WIDEN = [
 ]
 # The model's last form: peft LoRA on the dense layers (attention and the lm_head), experts carried.
 DENSE_LORA = [["add_dense_lora", {"r": 4, "lora_alpha": 8.0, "target_modules": ["wq", "wv", "wo", "lm_head"]}]]
+# Fresh draws: new heads, new neurons in the dense FFN and in every expert (zero and Net2Wider with
+# noise), a fresh MoE block; each expert's draws keyed by its global index.
+FRESH_DRAWS = [
+    ["add_heads", {"add": 2}],
+    ["widen_ffn", {"ffn_hidden": 96, "expert_hidden": 96}],
+    ["widen_ffn", {"expert_hidden": 128, "init": "split", "noise": 0.01}],
+    ["deepen", {"after": [1], "init": "fresh"}],
+]
 NF4_TRANSITION = [
     ["quantize_experts", {"r": 4, "lora_alpha": 4, "double_quant": False}],
     ["deepen", {}],
     ["split_experts", {}],
     ["clone_experts", {"factor": 2, "reinit_fraction": 0.0}],
+    ["deepen", {"after": [2], "init": "fresh"}],  # a fresh NF4 MoE block: random bases quantized expert by expert
     ["merge_adapters", {}],
 ]
 
@@ -100,8 +110,8 @@ def assert_same_growth(ranks: list[dict], one: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "ops, worlds",
-    [(EXPERTS_TRANSITION, (2, 4)), (NF4_TRANSITION, (2,)), (UPCYCLE_WIDEN, (2,)), (DENSE_LORA, (2,))],
-    ids=["full_then_quantize", "nf4", "upcycle_widen", "dense_lora"],
+    [(EXPERTS_TRANSITION, (2, 4)), (NF4_TRANSITION, (2,)), (UPCYCLE_WIDEN, (2,)), (DENSE_LORA, (2,)), (FRESH_DRAWS, (2,))],
+    ids=["full_then_quantize", "nf4", "upcycle_widen", "dense_lora", "fresh_draws"],
 )
 def test_growth_on_expert_shards_equals_one_process(tmp_path, ops, worlds):
     one = grow(tmp_path, 1, ops)[0]
@@ -154,3 +164,29 @@ def test_expert_draws_depend_on_the_expert_index_not_on_who_draws():
     assert not torch.equal(whole, sharding.expert_normal((3, 2), torch.arange(8), key=8))
     u = sharding.expert_uniform((4,), torch.arange(5), key=1)
     assert float(u.min()) >= 0 and float(u.max()) < 1 and math.isfinite(float(u.sum()))
+
+
+def test_fresh_draws_are_the_model_init_and_do_not_depend_on_what_else_is_drawn():
+    from growtrain.model import GrowLM, ModelConfig
+    from growtrain.model.config import MoEConfig
+    from growtrain.model.layers import out_proj_std
+    from growtrain.stages.common import fresh_tensors
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, ffn_hidden=128, moe=MoEConfig(num_experts=4, expert_hidden=128), moe_layers=(1,))
+    like = GrowLM(cfg).to(torch.float64)
+    names = ["blocks.0.f.attn.wq.weight", "blocks.1.g.ffn.experts.w_gate", "blocks.1.g.ffn.experts.w_down", "blocks.1.g.ffn.router.balance_bias", "blocks.0.g.norm.weight"]
+    torch.manual_seed(3)
+    every = fresh_tensors(cfg, names, like)
+    assert list(every) == names and all(t.dtype == torch.float64 for t in every.values())
+    torch.manual_seed(3)
+    assert torch.equal(fresh_tensors(cfg, names[2:3], like)[names[2]], every[names[2]])
+    torch.manual_seed(4)
+    assert not torch.equal(fresh_tensors(cfg, names[2:3], like)[names[2]], every[names[2]])
+    w_down = every["blocks.1.g.ffn.experts.w_down"]
+    assert w_down.shape == (4, 64, 128) and float(w_down.std()) == pytest.approx(out_proj_std(cfg), rel=0.05)
+    assert float(every["blocks.1.g.ffn.experts.w_gate"].std()) == pytest.approx(cfg.init_std, rel=0.05)
+    assert not torch.equal(w_down[0], w_down[1])  # each expert its own draws
+    assert torch.equal(every["blocks.0.g.norm.weight"], torch.ones(64, dtype=torch.float64))
+    assert torch.equal(every["blocks.1.g.ffn.router.balance_bias"], torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="initializes embed.weight"):
+        fresh_tensors(cfg, ["embed.weight"], like)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from growtrain.expert_shards import expert_range
+from growtrain.expert_shards import expert_range, is_expert_tensor
 
 CombineMode = Literal["overlapped", "serial"]
 
@@ -158,14 +158,19 @@ def shard_experts(model: nn.Module, ep: EPGroup) -> nn.Module:
 def shard_moe(moe: nn.Module, ep: EPGroup) -> nn.Module:
     """Cut an MoE layer's experts to this rank's contiguous range, in place, and mark the layer
     expert-parallel. Parameters and buffers keep their names, with E/W rows instead of E."""
-    lo, hi = ep.experts(moe.num_experts)
-    module = moe.experts
+    cut_experts(moe.experts, *ep.experts(moe.num_experts))
+    moe.ep = ep
+    return moe
+
+
+def cut_experts(module: nn.Module, lo: int, hi: int) -> nn.Module:
+    """An experts module (full or NF4) cut to its experts [lo, hi), in place: every per-expert
+    parameter and buffer keeps rows lo..hi-1 under its name; the shared code books stay whole."""
     for name, p in list(module.named_parameters(recurse=False)):
         setattr(module, name, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
     for name, b in list(module.named_buffers(recurse=False)):
-        if b.ndim and name not in ("quant_map", "nested_quant_map"):
+        if b.ndim and is_expert_tensor(f"experts.{name}"):
             module._buffers[name] = b[lo:hi].clone()
     if hasattr(module, "num_experts"):
         module.num_experts = hi - lo
-    moe.ep = ep
-    return moe
+    return module

@@ -20,7 +20,7 @@ import torch
 
 from growtrain.model.config import ModelConfig
 from growtrain.model.nf4 import nf4_zeros_like, stack_state, state_stack
-from growtrain.stages.common import carry, fresh_state, materialize
+from growtrain.stages.common import carry, fresh_tensors, materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 _OUTPUT_PROJECTIONS = (
@@ -70,11 +70,10 @@ def apply(model, args: DeepenArgs) -> Growth:
     old_to_new, inserted = _index_maps(old_cfg, _positions(old_cfg, args))
     new_to_old = {n: o for o, n in old_to_new.items()}
     old = model.state_dict()
-    if args.init == "copy":  # every tensor is carried, copied or zeroed below: no random init to build
-        with torch.device("meta"):
-            new = dict.fromkeys(type(model)(new_cfg).state_dict())
-    else:
-        new = fresh_state(new_cfg, model)
+    with torch.device("meta"):
+        new = dict.fromkeys(type(model)(new_cfg).state_dict())
+    if args.init == "fresh":  # the inserted blocks' tensors drawn (this rank's experts only); the rest is carried below
+        new.update(fresh_tensors(new_cfg, [n for n in new if n.startswith("blocks.") and int(n.split(".")[1]) in inserted], model))
     params = {n for n, _ in model.named_parameters()}
     provenance: dict[str, Provenance] = {}
     for name in list(new):
@@ -115,6 +114,6 @@ register(
         DeepenArgs,
         plan,
         apply,
-        shards=lambda args: args.init == "copy",  # a copied block's experts are the rank's own; fresh ones would be drawn whole
+        shards=True,  # a copied block's experts are the rank's own; fresh ones are drawn expert by expert, this rank's only
     )
 )

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from growtrain.model.config import ModelConfig
-from growtrain.stages.common import carry, fresh_state, materialize, new_elements, take
+from growtrain.stages.common import carry, fresh_tensors, materialize, new_elements, take
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 # matrix -> (dim holding the heads, query or kv heads)
@@ -74,15 +74,20 @@ def apply(model, args: AddHeadsArgs) -> Growth:
         rows[which] = torch.where((heads >= 0).unsqueeze(1), heads.unsqueeze(1) * hd + offsets, torch.full((heads.numel(), hd), -1)).flatten()
     old = model.state_dict()
     params = {n for n, _ in model.named_parameters()}
-    fresh = fresh_state(new_cfg, model)
-    new, provenance = {}, {}
-    for name, w in old.items():
+    grown_rows = {}  # attention matrix -> its source row (or column) of each new one, -1 for a new head's
+    for name in old:
         parts = name.split(".")
         matrix = parts[4] if parts[0] == "blocks" and parts[2:4] == ["f", "attn"] else None
         index = rows[_ATTN[matrix][1]] if matrix in _ATTN else None
-        if index is None or bool((index == torch.arange(index.numel())).all()):
+        if index is not None and not bool((index == torch.arange(index.numel())).all()):
+            grown_rows[name] = (matrix, index)
+    fresh = fresh_tensors(new_cfg, [n for n, (matrix, _) in grown_rows.items() if matrix != "wo"], model)
+    new, provenance = {}, {}
+    for name, w in old.items():
+        if name not in grown_rows:
             carry(name, w, params, new, provenance)
             continue
+        matrix, index = grown_rows[name]
         dim = _ATTN[matrix][0]
         transform = lambda t, dim=dim, index=index: take(t, dim, index)  # noqa: E731
         grown = transform(w)
@@ -103,5 +108,6 @@ register(
         AddHeadsArgs,
         plan,
         apply,
+        shards=True,  # only attention grows (drawn alike on every rank); the experts are carried as each rank holds them
     )
 )

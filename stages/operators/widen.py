@@ -99,7 +99,7 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
 
 def _null_space_noise(w: torch.Tensor, k: int, std: float, experts_E: torch.Tensor | None = None) -> torch.Tensor:
     """Noise over the k copies of the last dimension that sums to zero across the copies (drawn on
-    the CPU, as fresh_state does: the same draws whatever the device). An expert tensor's
+    the CPU, as fresh_tensors does: the same draws whatever the device). An expert tensor's
     (`experts_E`: the global indices of its rows) draws each expert's noise from a generator of
     its own, so the same whichever rank holds it (stages/sharding.py)."""
     if experts_E is None:

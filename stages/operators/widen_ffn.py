@@ -23,7 +23,8 @@ from typing import Literal
 import torch
 
 from growtrain.model.config import ModelConfig
-from growtrain.stages.common import carry, fresh_state, materialize, new_elements, require_full_experts, take
+from growtrain.stages import sharding
+from growtrain.stages.common import carry, fresh_tensors, materialize, new_elements, require_full_experts, take
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -73,20 +74,25 @@ def apply(model, args: WidenFFNArgs) -> Growth:
     new_cfg = plan(old_cfg, args)
     old = model.state_dict()
     params = {n for n, _ in model.named_parameters()}
-    fresh = fresh_state(new_cfg, model) if args.init == "zero" else None
-    new, provenance = {}, {}
     widths = {False: (old_cfg.ffn_hidden, new_cfg.ffn_hidden)}
     if old_cfg.moe is not None:
         widths[True] = (old_cfg.moe.expert_hidden, new_cfg.moe.expert_hidden)
+    widened = {}  # name -> (matrix, is_expert) of every FFN weight that grows
+    for name in old:
+        matrix = _ffn_matrix(name.split("."), old_cfg)
+        if matrix is not None and widths[matrix[1]][0] != widths[matrix[1]][1]:
+            widened[name] = matrix
+    # New gate/up rows drawn fresh (init zero); their down columns stay zero.
+    fresh = fresh_tensors(new_cfg, [n for n, (kind, _) in widened.items() if kind != "w_down"], model) if args.init == "zero" else {}
+    new, provenance = {}, {}
     # One ε per (expert, new neuron), shared by the neuron's down column: drawn up front, in a fixed order.
     eps = {}
     for name, w in old.items():
         parts = name.split(".")
-        matrix = _ffn_matrix(parts, old_cfg)
-        if matrix is None or widths[matrix[1]][0] == widths[matrix[1]][1]:
+        if name not in widened:
             carry(name, w, params, new, provenance)
             continue
-        kind, is_expert = matrix
+        kind, is_expert = widened[name]
         f_old, f_new = widths[is_expert]
         dim = _HIDDEN_DIM[kind][is_expert]
         index = _index(f_old, f_new, args.init)
@@ -104,7 +110,7 @@ def apply(model, args: WidenFFNArgs) -> Growth:
         if kind == "w_down":
             key = (parts[1], is_expert)
             if key not in eps:
-                eps[key] = _zero_sum_noise(lead + (f_new,), index, f_old, args.noise)
+                eps[key] = _zero_sum_noise(_noise(lead, f_new, old_cfg, is_expert, args.noise), index, f_old)
             share = (1 + eps[key]) / counts  # [(E,) F_new]
             beta = _broadcast(share, grown.shape, dim).to(device=w.device, dtype=w.dtype)
             new[name] = grown * beta
@@ -124,13 +130,25 @@ def _ffn_matrix(parts: list[str], cfg: ModelConfig) -> tuple[str, bool] | None:
     return (parts[4], False) if parts[4] in _HIDDEN_DIM else None
 
 
-def _zero_sum_noise(shape: tuple, index: torch.Tensor, f_old: int, std: float) -> torch.Tensor:
-    """ε per new neuron, summing to zero over the copies of each old neuron (a lone neuron gets 0)."""
+def _noise(lead: tuple, f_new: int, cfg: ModelConfig, is_expert: bool, std: float) -> torch.Tensor | None:
+    """N(0, std²) per new neuron ([F_new], or [E_local, F_new] for experts, each expert's drawn by a
+    generator keyed by its global index: the same at any EP size); None for std 0."""
     if std == 0:
-        return torch.zeros(shape, dtype=torch.float64)
-    noise = torch.randn(shape, dtype=torch.float64) * std
+        return None
+    if not is_expert:
+        return torch.randn(f_new, dtype=torch.float64) * std
+    lo, hi = sharding.local_range(cfg.moe.num_experts)
+    assert lead == (hi - lo,), (lead, lo, hi)
+    return sharding.expert_normal((f_new,), torch.arange(lo, hi), sharding.draw_key()) * std
+
+
+def _zero_sum_noise(noise: torch.Tensor | None, index: torch.Tensor, f_old: int) -> torch.Tensor:
+    """ε per new neuron: `noise` less its mean over the copies of each old neuron, so it sums to zero
+    over them (a lone neuron gets 0); zeros for no noise."""
+    if noise is None:
+        return torch.zeros(index.numel(), dtype=torch.float64)
     counts = torch.bincount(index, minlength=f_old).to(torch.float64)
-    mean = noise.new_zeros(shape[:-1] + (f_old,)).index_add_(-1, index, noise) / counts
+    mean = noise.new_zeros(noise.shape[:-1] + (f_old,)).index_add_(-1, index, noise) / counts
     return noise - mean.index_select(-1, index)
 
 
@@ -152,5 +170,6 @@ register(
         WidenFFNArgs,
         plan,
         apply,
+        shards=True,  # experts widen expert by expert (their draws keyed by global index); the dense FFNs alike on every rank
     )
 )
