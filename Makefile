@@ -24,11 +24,14 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/growtrain run recipes/tiny.yaml
 
+# Two workers, a file at a time (its module fixtures built once), one thread each (tests/conftest.py).
+XDIST := -n 2 --dist loadfile
+
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(XDIST) -m "not slow"
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

@@ -20,6 +20,13 @@ import yaml
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs two workers, one per core of the CI machine) every worker
+# and every process it starts computes on one thread: two workers with two OpenMP threads each
+# oversubscribe the cores and slow each other down by an order of magnitude.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parents[1]
 
 MICRO = {
