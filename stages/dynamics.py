@@ -184,6 +184,29 @@ def _optimizer(named, state, opt_cfg):
     return opt
 
 
+def _reading(named, state, opt_cfg):
+    """The run's optimizer over `named` holding `state` itself, not a copy: for what reads the state
+    only (the clip norm's weights)."""
+    opt = build_optimizer({}, opt_cfg)
+    opt.rebind(named, state)
+    return opt
+
+
+def step_each(named: dict, state: dict, opt_cfg, lr: float) -> None:
+    """One optimizer step of every parameter with a gradient (already clipped), one tensor at a time,
+    each on a copy of its own state, its gradient dropped once it has stepped: what the run's
+    optimizer computes when it steps them all (its update is elementwise, per tensor), holding one
+    tensor's state copy instead of the whole model's (at the 120B recipe's clone step, per rank:
+    ~0.2 GB instead of ~120 GB)."""
+    for n, p in named.items():
+        if p.grad is None:
+            continue
+        opt = build_optimizer({}, opt_cfg)
+        opt.rebind({n: p}, {n: copy.deepcopy(state[n])})
+        opt.step(lr)
+        p.grad = None
+
+
 @contextmanager
 def _scratch_steps(model):
     """The trainable parameters, by name, and their saved values: steps taken inside move them, and
@@ -222,9 +245,8 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
                 p.grad = None
             else:
                 p.grad.masked_fill_(mask, 0.0)
-        opt = _optimizer(named, side.state, opt_cfg)
-        norm = sharding.clip_grad_norm(opt, opt_cfg.grad_clip)
-        opt.step(lr)
+        norm = sharding.clip_grad_norm(_reading(named, side.state, opt_cfg), opt_cfg.grad_clip)
+        step_each(named, side.state, opt_cfg, lr)
         with torch.no_grad():
             for name, mask in side.held.items():
                 if name in named:
