@@ -74,7 +74,7 @@ def apply(model, args: AddHeadsArgs) -> Growth:
         rows[which] = torch.where((heads >= 0).unsqueeze(1), heads.unsqueeze(1) * hd + offsets, torch.full((heads.numel(), hd), -1)).flatten()
     old = model.state_dict()
     params = {n for n, _ in model.named_parameters()}
-    grown_rows = {}  # attention matrix -> its source row (or column) of each new one, -1 for a new head's
+    grown_rows = {}  # weight name -> (matrix, the source row or column of each new one; -1 for a new head's)
     for name in old:
         parts = name.split(".")
         matrix = parts[4] if parts[0] == "blocks" and parts[2:4] == ["f", "attn"] else None
