@@ -112,6 +112,9 @@ def resolve_device(setting: str, dist: Dist) -> torch.device:
     return torch.device("cpu")
 
 
+ALLOCATOR_ALIGNMENT = 64  # bytes: PyTorch's CPU allocator (c10 alignment), and the widest vector load
+
+
 def _owning(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a copy of it in storage of its own, aligned as the allocator aligns, when it views a
     larger storage (an expert shard cut from a memory-mapped checkpoint file: a parameter assigned
@@ -122,9 +125,6 @@ def _owning(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.data_ptr() % ALLOCATOR_ALIGNMENT:
         return t.clone()
     return t
-
-
-ALLOCATOR_ALIGNMENT = 64  # bytes: PyTorch's CPU allocator (c10 alignment), and the widest vector load
 
 
 def gpu_peak_tflops(device: torch.device) -> float | None:

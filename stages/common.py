@@ -53,11 +53,7 @@ def fresh_tensors(cfg: ModelConfig, names, like: GrowLM) -> dict[str, torch.Tens
         if any(is_expert_tensor(n) for n in wanted):
             values = _fresh_experts(module, sharding.sub_key(key, path))
         else:
-            module.to_empty(device="cpu")
-            with torch.random.fork_rng(devices=[]):
-                torch.default_generator.manual_seed(sharding.sub_key(key, path))
-                module.reset_parameters()
-            values = module.state_dict()
+            values = _reset_seeded(module.to_empty(device="cpu"), sharding.sub_key(key, path)).state_dict()
         for name in wanted:
             v = values[name[len(path) + 1 :]]
             out[name] = v.to(device=ref.device, dtype=ref.dtype if v.is_floating_point() else v.dtype)
@@ -93,15 +89,21 @@ def _fresh_experts(module, key: int) -> dict[str, torch.Tensor]:
     rows: dict[str, list[torch.Tensor]] = {}
     shared: dict[str, torch.Tensor] = {}
     for e in range(lo, hi):
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(sharding.sub_key(key, e))
-            one.reset_parameters()
-        for k, v in one.state_dict().items():
+        for k, v in _reset_seeded(one, sharding.sub_key(key, e)).state_dict().items():
             if is_expert_tensor(f"experts.{k}"):
                 rows.setdefault(k, []).append(v.detach().clone())
             else:
                 shared[k] = v.detach().clone()
     return {**shared, **{k: torch.cat(v) for k, v in rows.items()}}
+
+
+def _reset_seeded(module, seed: int):
+    """`module` (on the CPU) re-initialized by its own reset_parameters from the CPU generator seeded
+    with `seed`; the caller's RNG stream is left where it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        module.reset_parameters()
+    return module
 
 
 def take(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:

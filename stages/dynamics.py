@@ -179,14 +179,8 @@ def _expert_loads(model, out) -> dict[int, torch.Tensor]:
 
 
 def _optimizer(named, state, opt_cfg):
-    opt = build_optimizer(named, opt_cfg)
-    opt.rebind(named, copy.deepcopy(state))
-    return opt
-
-
-def _reading(named, state, opt_cfg):
-    """The run's optimizer over `named` holding `state` itself, not a copy: for what reads the state
-    only (the clip norm's weights)."""
+    """The run's optimizer over `named`, holding `state` itself: a caller that steps it passes a
+    copy. Built empty, so no fresh state of the whole model is allocated only to be replaced."""
     opt = build_optimizer({}, opt_cfg)
     opt.rebind(named, state)
     return opt
@@ -201,9 +195,7 @@ def step_each(named: dict, state: dict, opt_cfg, lr: float) -> None:
     for n, p in named.items():
         if p.grad is None:
             continue
-        opt = build_optimizer({}, opt_cfg)
-        opt.rebind({n: p}, {n: copy.deepcopy(state[n])})
-        opt.step(lr)
+        _optimizer({n: p}, {n: copy.deepcopy(state[n])}, opt_cfg).step(lr)
         p.grad = None
 
 
@@ -245,7 +237,7 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
                 p.grad = None
             else:
                 p.grad.masked_fill_(mask, 0.0)
-        norm = sharding.clip_grad_norm(_reading(named, side.state, opt_cfg), opt_cfg.grad_clip)
+        norm = sharding.clip_grad_norm(_optimizer(named, side.state, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
         step_each(named, side.state, opt_cfg, lr)
         with torch.no_grad():
             for name, mask in side.held.items():
@@ -267,7 +259,7 @@ def later_gradients(model, state, grads: dict, opt_cfg, lr: float, inputs_BT, ta
     `grads` (the weights restored after)."""
     out = []
     with _scratch_steps(model) as (named, _):
-        opt = _optimizer(named, state, opt_cfg)
+        opt = _optimizer(named, copy.deepcopy(state), opt_cfg)
         for _ in range(steps):
             for n, p in named.items():
                 p.grad = grads[n].clone() if n in grads else None

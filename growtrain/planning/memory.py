@@ -407,8 +407,8 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     dense part, with the dense optimizer state gathered from its ZeRO-1 owners: the stage's first
     model (kept for the transition's own check), the current operator's old and new model with
     their state, the new model's per-neuron bookkeeping, a working set of three times the new
-    side's trainable weights, one optimizer state's size and the old side's updates, and the probes (`probe`: the invariance probe's batch and
-    sequence length): the stage's first, the old and the new model's, plus four logit tensors of
+    side's trainable weights, one optimizer state's size and the old side's updates, and the
+    probes (`probe`: the invariance probe's batch and sequence length): the stage's first, the old and the new model's, plus four logit tensors of
     the one-step comparison. Otherwise every rank gathers the whole model: growth_peak_bytes.
     0 for a stage without growth."""
     from growtrain.stages import get_operator
