@@ -8,6 +8,7 @@ wq, wk and wv), and views share one storage, so counting tensors would overstate
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Iterable
 
@@ -87,12 +88,17 @@ class LiveTensorMeter(TorchDispatchMode):
     """Peak bytes of the storages created inside the `with` block and still alive: every op's
     output storage is counted once, from the op that made it until it is freed. Storages that
     existed before (parameters, inputs, optimizer state) are not counted, so `peak` is what a
-    forward+backward adds on top of the model. CPU and CUDA alike; slow (Python per op)."""
+    forward+backward adds on top of the model. CPU and CUDA alike; slow (Python per op).
 
-    def __init__(self):
+    `where`: with `sites=True`, growtrain's own frames (innermost last, "module:function:line") at
+    the op that reached the peak, so that a benchmark can say which phase sets it."""
+
+    def __init__(self, sites: bool = False):
         super().__init__()
         self.current = 0
         self.peak = 0
+        self.where: list[str] = []
+        self._sites = sites
         self._seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -110,7 +116,10 @@ class LiveTensorMeter(TorchDispatchMode):
         nbytes = st.nbytes()
         self._seen.add(id(st))
         self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
+            if self._sites:
+                self.where = _own_frames()
         # Storage Python objects live exactly as long as the storage (PyObject preservation), so
         # a weakref callback marks the free. Storages made before the block are never in _seen.
         weakref.finalize(st, self._free, id(st), nbytes)
@@ -118,3 +127,13 @@ class LiveTensorMeter(TorchDispatchMode):
     def _free(self, key: int, nbytes: int) -> None:
         self._seen.discard(key)
         self.current -= nbytes
+
+
+def _own_frames() -> list[str]:
+    frames, f = [], sys._getframe(2)
+    while f is not None:
+        module = f.f_globals.get("__name__", "")
+        if module.startswith("growtrain") and module != __name__:
+            frames.append(f"{module}:{f.f_code.co_name}:{f.f_lineno}")
+        f = f.f_back
+    return frames[::-1]

@@ -76,7 +76,7 @@ def phase(stage: str, kind: str, rank: int = 0):
     baseline = live_storage_bytes()
     _reset_hwm()
     t0 = time.perf_counter()
-    meter = LiveTensorMeter()
+    meter = LiveTensorMeter(sites=True)
     with meter:
         yield
     record = {
@@ -86,6 +86,7 @@ def phase(stage: str, kind: str, rank: int = 0):
         "baseline_bytes": baseline,
         "live_peak_bytes": baseline + meter.peak,
         "rss_peak_bytes": _hwm_bytes(),
+        "peak_at": meter.where,
         "seconds": time.perf_counter() - t0,
     }
     out = Path(os.environ[ENV])

@@ -8,7 +8,8 @@ no logit at all.
   new stage's first LR, taken from (old model, old state) and from (new model, new state), each on
   its own copy of the state and with the weights restored afterwards; the two changes of the probe
   logits are compared. Where an operator's step is exact only on a subset, the rest is held out on
-  both sides (its gradient dropped before the clip norm, its values restored after the step):
+  both sides (a tensor held whole is taken out of autograd; a held part's gradient is zeroed before
+  the clip norm and its values are restored after the step):
   elements growth introduced fresh (new, reset, or marked fresh in a copy: they step where the old
   model had nothing), the sources of reset parameters (their values now sit in frozen buffers), and
   the operator's declared holds (HELD: split siblings' router rows get unequal shares of their
@@ -16,12 +17,16 @@ no logit at all.
   under a split by design, and the balance-bias update is not optimizer state.
 - Trainability: every trainable element growth introduced has a non-zero gradient on the probe,
   or gets one within TRAINABILITY_STEPS steps of the others (a zero-initialised factor next to a
-  non-zero one: the pair's product has a gradient; the loss is the training loss, aux included). Experts no probe token reached are not judged (counted).
+  non-zero one: the pair's product has a gradient; the loss is the training loss, aux included).
+  Each of those steps is the run's optimizer step from the carried state at the weights the
+  earlier ones moved (the state is not advanced: no copy of it is held). Experts no probe token
+  reached are not judged (counted).
 
 Cost on the probe batch, per operator: the old model 1 forward+backward and 1 forward; the new one
 1 forward+backward and 1 forward (dynamics), and 1 forward+backward for trainability, plus
 TRAINABILITY_STEPS more when some new element has no gradient at first (zero-initialised factors); plus a copy
-of the weights and of the optimizer state of each. The transition's check adds one old and one new
+of the weights, the gradients and one tensor's optimizer state at a time (stages/dynamics.step_each)
+of each. The transition's check adds one old and one new
 step.
 
 Legend: B batch, T sequence, V vocabulary.
@@ -155,22 +160,16 @@ def _loss(model, inputs_BT, targets_BT, with_aux: bool = False):
     return out, (loss + out.aux_loss if with_aux else loss)
 
 
-def gradients(model, inputs_BT, targets_BT) -> tuple[dict, dict]:
+def _backward(model, inputs_BT, targets_BT) -> dict:
     """The training loss's gradients (cross-entropy + aux: a top-1 router trains only through the
-    balance loss) and the expert loads on the probe."""
+    balance loss), left in the parameters' .grad, and the expert loads on the probe."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    was_training = model.training
-    model.train()
-    try:
-        model.zero_grad(set_to_none=True)
-        with torch.enable_grad():
-            out, loss = _loss(model, inputs_BT, targets_BT, with_aux=True)
-            loss.backward()
-        sharding.expert_grads_per_rank(named)
-        return {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}, _expert_loads(model, out)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        out, loss = _loss(model, inputs_BT, targets_BT, with_aux=True)
+        loss.backward()
+    sharding.expert_grads_per_rank(named)
+    return _expert_loads(model, out)
 
 
 def _expert_loads(model, out) -> dict[int, torch.Tensor]:
@@ -217,12 +216,29 @@ def _scratch_steps(model):
         model.train(was_training)
 
 
+@contextmanager
+def _frozen(model, names):
+    """The named parameters out of autograd for the block: a parameter held whole on a side steps
+    not at all, so its gradient, saved value and update are never made (at the quantize step, the
+    old side's fp32 experts: three copies of the largest tensors)."""
+    params = dict(model.named_parameters())
+    off = [params[n] for n in names if n in params and params[n].requires_grad]
+    for p in off:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in off:
+            p.requires_grad_(True)
+
+
 def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
     """One clipped optimizer step of `side` on the probe, on copies: returns the change of the probe
     logits, each parameter's update and the clip norm; the model's weights are restored and its
     gradients cleared."""
     model = side.model
-    with _scratch_steps(model) as (named, saved):
+    whole = [n for n, mask in side.held.items() if mask is None]
+    with _frozen(model, whole), _scratch_steps(model) as (named, saved):
         with torch.enable_grad():
             model.zero_grad(set_to_none=True)
             out, loss = _loss(model, inputs_BT, targets_BT)
@@ -237,7 +253,8 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
                 p.grad = None
             else:
                 p.grad.masked_fill_(mask, 0.0)
-        norm = sharding.clip_grad_norm(_optimizer(named, side.state, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
+        stepping = {n: side.state[n] for n in named}
+        norm = sharding.clip_grad_norm(_optimizer(named, stepping, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
         step_each(named, side.state, opt_cfg, lr)
         with torch.no_grad():
             for name, mask in side.held.items():
@@ -254,20 +271,13 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
 TRAINABILITY_STEPS = 3
 
 
-def later_gradients(model, state, grads: dict, opt_cfg, lr: float, inputs_BT, targets_BT, steps: int) -> list[tuple[dict, dict]]:
-    """The gradients and expert loads after each of `steps` unheld steps, the first taken with
-    `grads` (the weights restored after)."""
-    out = []
-    with _scratch_steps(model) as (named, _):
-        opt = _optimizer(named, copy.deepcopy(state), opt_cfg)
-        for _ in range(steps):
-            for n, p in named.items():
-                p.grad = grads[n].clone() if n in grads else None
-            sharding.clip_grad_norm(opt, opt_cfg.grad_clip)
-            opt.step(lr)
-            grads, loads = gradients(model, inputs_BT, targets_BT)
-            out.append((grads, loads))
-        return out
+def _scratch_step(named: dict, state: dict, opt_cfg, lr: float) -> None:
+    """One clipped step of every parameter from `state` (left as it is), with the gradients in
+    .grad: a trainability pass steps again from the same state at the moved weights rather than
+    from the state its earlier steps would leave, so it holds one tensor's state copy at a time
+    (step_each), not a copy of the whole state."""
+    sharding.clip_grad_norm(_optimizer(named, state, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
+    step_each(named, state, opt_cfg, lr)
 
 
 # ---------------------------------------------------------------- the checks
@@ -357,24 +367,36 @@ def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool,
 
 
 def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr: float, probe) -> tuple[dict, list[str]]:
-    """Dead new elements per parameter: zero gradient on the probe before and after one step."""
+    """Dead new elements per parameter: zero gradient on the probe now and after each of
+    TRAINABILITY_STEPS steps of the others (each from the carried state, see _scratch_step). Holds
+    the gradients once, and the weights once more while it steps."""
     inputs_BT, targets_BT = probe
     t0 = time.perf_counter()
     if not masks:
         return {"per_parameter": {}, "dead": 0, "unreached_experts": {}, "seconds": 0.0}, []
-    grads1, loads1 = gradients(model, inputs_BT, targets_BT)
+    was_training = model.training
+    model.train()
+    try:
+        loads = _backward(model, inputs_BT, targets_BT)
+        alive = _nonzero(model, masks)
+        idle = {b: load == 0 for b, load in loads.items()}  # [E] over all experts (every rank's, on shards)
+        stepped = 0
+        # The later steps are collectives on expert shards: one verdict for every rank.
+        if not sharding.all_ranks(all(bool(alive[n][m].all()) for n, m in masks.items())):
+            with _scratch_steps(model) as (named, _):  # the weights restored after
+                for _ in range(TRAINABILITY_STEPS):
+                    _scratch_step(named, state, opt_cfg, lr)
+                    loads = _backward(model, inputs_BT, targets_BT)
+                    params = dict(model.named_parameters())
+                    for n, a in alive.items():
+                        if params[n].grad is not None:
+                            a.logical_or_(params[n].grad != 0)
+                    idle = {b: idle[b] | (loads[b] == 0) for b in idle}
+            stepped = TRAINABILITY_STEPS
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
     report, unreached = {}, {}
-    alive = {n: grads1[n] != 0 if n in grads1 else torch.zeros_like(m) for n, m in masks.items()}
-    idle = {b: load == 0 for b, load in loads1.items()}  # [E] over all experts (every rank's, on shards)
-    stepped = 0
-    # The later steps are collectives on expert shards: one verdict for every rank.
-    if not sharding.all_ranks(all(bool(alive[n][m].all()) for n, m in masks.items())):
-        for grads, loads in later_gradients(model, state, grads1, opt_cfg, lr, inputs_BT, targets_BT, TRAINABILITY_STEPS):
-            for n in masks:
-                if n in grads:
-                    alive[n] = alive[n] | (grads[n] != 0)
-            idle = {b: idle[b] | (loads[b] == 0) for b in idle}
-        stepped = TRAINABILITY_STEPS
     for name, mask in masks.items():
         mask = mask.clone()
         m = _EXPERT.match(name)
@@ -408,6 +430,12 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
     metrics = {"per_parameter": report, "dead": sum(r["dead"] for r in report.values()), "unreached_experts": unreached, "steps": stepped}
     metrics["seconds"] = time.perf_counter() - t0
     return metrics, problems
+
+
+def _nonzero(model, names) -> dict[str, torch.Tensor]:
+    """Per name, which elements of its parameter's .grad are non-zero (all False without one)."""
+    params = dict(model.named_parameters())
+    return {n: params[n].grad != 0 if params[n].grad is not None else torch.zeros(params[n].shape, dtype=torch.bool, device=params[n].device) for n in names}
 
 
 def _over_ranks(report: dict, unreached: dict) -> tuple[dict, dict]:

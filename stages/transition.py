@@ -219,6 +219,14 @@ def apply_growth(
             else:
                 structure += optimizer_problems(new_model, new_state)
             structure = sharding.union_ranks(structure)
+        if j and new_state is not None:
+            # What replaced a reset parameter's source holds its values (an expert matrix quantized
+            # into its NF4 base): the source's state is used by nothing after the mapping, and the
+            # checks hold the source whole. Freed here where this transition made it (at the 120B
+            # recipe's quantize step, per rank, the fp32 experts' moments: ~116 GB); the first
+            # operator's state is the trainer's.
+            folded = _reset_sources(growth.provenance)
+            optimizer_state = {n: s for n, s in optimizer_state.items() if n not in folded}
         if not structure and getattr(invariance_cfg, "values", True):
             metrics["values"], found = value_check(step.op, step.args, model, growth)
             problems += found
@@ -372,6 +380,10 @@ class _Chain:
             composed,
             outer if view is None else (lambda x: outer(view(x))),
         )
+
+
+def _reset_sources(provenance: dict[str, Provenance]) -> set[str]:
+    return {p.source for p in provenance.values() if p.kind == "reset" and p.source}
 
 
 def _provenance_summary(provenance: dict[str, Provenance]) -> dict[str, int]:

@@ -406,9 +406,9 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     (stages/sharding.py), a rank holds its E/W experts of every model alive at once and the whole
     dense part, with the dense optimizer state gathered from its ZeRO-1 owners: the stage's first
     model (kept for the transition's own check), the current operator's old and new model with
-    their state, the new model's per-neuron bookkeeping, a working set of three times the new
-    side's trainable weights, one optimizer state's size and the old side's updates, and the
-    probes (`probe`: the invariance probe's batch and sequence length): the stage's first, the old and the new model's, plus four logit tensors of
+    their state (less the folded experts' state at a later quantize_experts), the new model's
+    per-neuron bookkeeping, the checks' working set (the largest of their one-step and
+    trainability passes, see below), and the probes (`probe`: the invariance probe's batch and sequence length): the stage's first, the old and the new model's, plus four logit tensors of
     the one-step comparison. Otherwise every rank gathers the whole model: growth_peak_bytes.
     0 for a stage without growth."""
     from growtrain.stages import get_operator
@@ -440,16 +440,21 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         book = neurons * (_FRESH_PROVENANCE_BYTES + _FRESH_STATE_BYTES) if fresh else 0.0
         new_carried = neurons * _FRESH_STATE_BYTES if fresh else (0.0 if new_cfg.moe is not None and new_cfg.moe.expert_format == "nf4" else carried)
         trainable = sum(t.bytes * share(t) for t in new.tensors if t.trainable)
-        trainable_old = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable)
-        # The checks' working set. It was the dynamics check's (saved weights, gradients, updates
-        # and a whole state copy); that check now steps one tensor's state copy at a time
-        # (stages/dynamics.step_each), yet the traced rehearsal's experts peak stayed at 305.3 MiB:
-        # another phase of the same size sets it, not yet located, so the term is kept as measured.
-        optimizer = sum(t.optimizer_bytes * share(t) for t in new.tensors) + new_carried
-        work = 3 * trainable + optimizer + trainable_old
+        # quantize_experts folds the fp32 experts into NF4 bases ('reset' sources): the checks hold
+        # them whole on the old side (no gradient, saved copy or update), and a transition frees
+        # their state once mapped where it made it (j > 0; the first operator's is the trainer's).
+        folded = [t for t in count(cfg).tensors if step.op == "quantize_experts" and t.trainable and t.role == "routed_experts"]
+        old_step = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable) - sum(t.bytes * share(t) for t in folded)
+        freed = sum(t.optimizer_bytes * share(t) for t in folded) if j else 0.0
+        # The checks' working set (stages/dynamics.py), the largest of: the old side's step (saved
+        # weights, gradients, updates), the new side's (saved weights and gradients, next to the old
+        # side's updates), the trainability pass (gradients, saved weights, a bool per element);
+        # the optimizer steps one tensor's state copy at a time (step_each).
+        largest_state = max((t.optimizer_bytes * share(t) for t in new.tensors), default=0.0)
+        work = max(3 * old_step, old_step + 2 * trainable, 2.25 * trainable) + largest_state
         probes = (probe_bytes(cfg_before, *probe) if j else 0) + probe_bytes(cfg, *probe) + probe_bytes(new_cfg, *probe)
         probes += 4 * 8 * probe[0] * probe[1] * new_cfg.vocab_size
-        alive = (start if j else 0.0) + held(cfg) + carried + held(new_cfg) + book + work + probes
+        alive = (start if j else 0.0) + held(cfg) - freed + carried + held(new_cfg) + book + work + probes
         peak = max(peak, alive)
         cfg, carried = new_cfg, new_carried
     return int(peak)
