@@ -178,9 +178,12 @@ def test_forward_producer_then_consumer_reproduces_compute_then_copy_bit_for_bit
     plan = build_combine_plan(expert_S, dest_S, E, ranks, rank, BM_CPU)
     _, _, wd, lora = _weights(fmt, E, gen)
     h_SF = torch.randn(expert_S.numel(), F, generator=gen)
-    # compute, then copy: the grouped kernel over the unpadded rows, then the reference combine
-    y_SD = torch.empty(expert_S.numel(), D)
-    launch_grouped_mm(MODE_PLAIN, _offsets(expert_S, E), y_SD, operand_args(h_SF, wd, True, lora[2], None))
+    # compute, then copy: the grouped kernel over the same padded tiles the producer computes (in
+    # Triton's interpreter a tile is a BLAS call, whose rounding may depend on how rows fall into
+    # it on some CPUs: AMD EPYC's OpenBLAS), then the reference combine of the unpadded rows
+    y_PD = torch.empty(plan.padded_rows, D)
+    launch_grouped_mm(MODE_PLAIN, plan.offsets_E1, y_PD, operand_args(plan.pad_rows(h_SF), wd, True, lora[2], None))
+    y_SD = y_PD[plan.pos_S]
     want = combine_reference(y_SD, plan.dest_S, plan.dest_row_S, _buffers(plan, D))
     got = _buffers(plan, D)
     z_PR = torch.full((plan.padded_rows, R_LORA), float("nan")) if lora[2] is not None else None
@@ -222,8 +225,9 @@ def test_backward_producer_then_consumer_returns_input_gradients_bit_for_bit(cas
     wg, wu, _, lora = _weights(fmt, E, gen)
     S = expert_S.numel()
     dg_SF, du_SF = torch.randn(S, F, generator=gen), torch.randn(S, F, generator=gen)
-    dx_SD = torch.empty(S, D)
-    launch_grouped_mm(MODE_PLAIN, _offsets(expert_S, E), dx_SD, operand_args(dg_SF, wg, False, lora[0], None), operand_args(du_SF, wu, False, lora[1], None))
+    dx_PD = torch.empty(plan.padded_rows, D)  # the producer's padded tiles (see the forward test)
+    launch_grouped_mm(MODE_PLAIN, plan.offsets_E1, dx_PD, operand_args(plan.pad_rows(dg_SF), wg, False, lora[0], None), operand_args(plan.pad_rows(du_SF), wu, False, lora[1], None))
+    dx_SD = dx_PD[plan.pos_S]
     want = combine_reference(dx_SD, plan.dest_S, plan.dest_row_S, _buffers(plan, D))
     got = _buffers(plan, D)
     _, timeouts = signaled_input_grad(plan, plan.pad_rows(dg_SF), plan.pad_rows(du_SF), wg, wu, lora[0], lora[1], got, producer_programs=3, consumer_programs=2)
