@@ -239,28 +239,20 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
     model = side.model
     whole = [n for n, mask in side.held.items() if mask is None]
     with _frozen(model, whole), _scratch_steps(model) as (named, saved):
+        parts = {n: mask for n, mask in side.held.items() if mask is not None and n in named}  # held in part
         with torch.enable_grad():
             model.zero_grad(set_to_none=True)
             out, loss = _loss(model, inputs_BT, targets_BT)
             before_BTV = out.logits.detach().double()
             loss.backward()
         sharding.expert_grads_per_rank(named)
-        for name, mask in side.held.items():
-            p = named.get(name)
-            if p is None or p.grad is None:
-                continue
-            if mask is None:
-                p.grad = None
-            else:
-                p.grad.masked_fill_(mask, 0.0)
-        stepping = {n: side.state[n] for n in named}
-        norm = sharding.clip_grad_norm(_optimizer(named, stepping, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
-        step_each(named, side.state, opt_cfg, lr)
+        for name, mask in parts.items():
+            if named[name].grad is not None:
+                named[name].grad.masked_fill_(mask, 0.0)
+        norm = _scratch_step(named, {n: side.state[n] for n in named}, opt_cfg, lr)
         with torch.no_grad():
-            for name, mask in side.held.items():
-                if name in named:
-                    p = named[name]
-                    p.copy_(saved[name] if mask is None else torch.where(mask, saved[name], p))
+            for name, mask in parts.items():
+                named[name].copy_(torch.where(mask, saved[name], named[name]))
             updates = {n: (p.detach() - saved[n]) for n, p in named.items()}
             after_BTV = model(inputs_BT).logits.double()
         return {"delta_BTV": after_BTV - before_BTV, "updates": updates, "norm": norm, "logits_norm": before_BTV.norm().item()}
@@ -271,13 +263,14 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
 TRAINABILITY_STEPS = 3
 
 
-def _scratch_step(named: dict, state: dict, opt_cfg, lr: float) -> None:
+def _scratch_step(named: dict, state: dict, opt_cfg, lr: float) -> float:
     """One clipped step of every parameter from `state` (left as it is), with the gradients in
-    .grad: a trainability pass steps again from the same state at the moved weights rather than
+    .grad; returns the clip norm. A trainability pass steps again from the same state at the moved weights rather than
     from the state its earlier steps would leave, so it holds one tensor's state copy at a time
     (step_each), not a copy of the whole state."""
-    sharding.clip_grad_norm(_optimizer(named, state, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
+    norm = sharding.clip_grad_norm(_optimizer(named, state, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
     step_each(named, state, opt_cfg, lr)
+    return norm
 
 
 # ---------------------------------------------------------------- the checks
@@ -377,8 +370,17 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
     was_training = model.training
     model.train()
     try:
-        loads = _backward(model, inputs_BT, targets_BT)
-        alive = _nonzero(model, masks)
+        params = dict(model.named_parameters())
+        alive = {n: torch.zeros(params[n].shape, dtype=torch.bool, device=params[n].device) for n in masks}
+
+        def see_gradients() -> dict:
+            loads = _backward(model, inputs_BT, targets_BT)
+            for n, a in alive.items():
+                if params[n].grad is not None:
+                    a.logical_or_(params[n].grad != 0)
+            return loads
+
+        loads = see_gradients()
         idle = {b: load == 0 for b, load in loads.items()}  # [E] over all experts (every rank's, on shards)
         stepped = 0
         # The later steps are collectives on expert shards: one verdict for every rank.
@@ -386,11 +388,7 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
             with _scratch_steps(model) as (named, _):  # the weights restored after
                 for _ in range(TRAINABILITY_STEPS):
                     _scratch_step(named, state, opt_cfg, lr)
-                    loads = _backward(model, inputs_BT, targets_BT)
-                    params = dict(model.named_parameters())
-                    for n, a in alive.items():
-                        if params[n].grad is not None:
-                            a.logical_or_(params[n].grad != 0)
+                    loads = see_gradients()
                     idle = {b: idle[b] | (loads[b] == 0) for b in idle}
             stepped = TRAINABILITY_STEPS
     finally:
@@ -430,12 +428,6 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
     metrics = {"per_parameter": report, "dead": sum(r["dead"] for r in report.values()), "unreached_experts": unreached, "steps": stepped}
     metrics["seconds"] = time.perf_counter() - t0
     return metrics, problems
-
-
-def _nonzero(model, names) -> dict[str, torch.Tensor]:
-    """Per name, which elements of its parameter's .grad are non-zero (all False without one)."""
-    params = dict(model.named_parameters())
-    return {n: params[n].grad != 0 if params[n].grad is not None else torch.zeros(params[n].shape, dtype=torch.bool, device=params[n].device) for n in names}
 
 
 def _over_ranks(report: dict, unreached: dict) -> tuple[dict, dict]:
