@@ -20,6 +20,7 @@ takes some minutes on 2 CPU cores; run nothing else meanwhile.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -81,9 +82,8 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, help="keep the run and its traces in this folder (default: a temporary one, removed)")
     args = ap.parse_args()
     recipe = load_recipe(args.recipe)
-    hw = next((h for h in PRESETS.values() if h.gpus == args.nproc), None)
-    if hw is None:
-        sys.exit(f"no hardware preset has {args.nproc} GPUs: the plan's per-rank figure needs one ({', '.join(PRESETS)})")
+    # The plan's per-rank figure depends on the rank count only (growth memory is host memory).
+    hw = next((h for h in PRESETS.values() if h.gpus == args.nproc), None) or dataclasses.replace(PRESETS["h100-80gb"], gpus_per_node=args.nproc, nodes=1)
     planned = {s.name: s.growth_peak_bytes_per_rank for s in plan_recipe(recipe, hw).stages}
     if args.keep is not None:
         if args.keep.exists() and any(args.keep.iterdir()):

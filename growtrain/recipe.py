@@ -186,6 +186,17 @@ class InvarianceConfig:
             "and its round-trip error on the same weights (stages/values.py); false turns it off (with a warning)."
         },
     )
+    stream: bool = field(
+        default=True,
+        metadata={
+            "doc": "Apply a run of split_experts / clone_experts steps and the quantize_experts right after them one MoE "
+            "layer at a time (stages/streaming.py): their full-precision results exist for one layer only; each layer's "
+            "operators are checked on that layer (values, output and router change), the composed provenance and the "
+            "whole model once (old vs quantized: function, structure, one-step dynamics, trainability). false: each "
+            "operator on the whole model with its own whole-model checks (the cloned fp32 model and its optimizer state "
+            "then exist whole: at the 120B recipe's experts stage ~487 GB per rank over 8 instead of ~185 GB)."
+        },
+    )
     dynamics_exact_tol: float = field(
         default=1e-4,
         metadata={

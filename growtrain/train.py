@@ -587,6 +587,7 @@ class Run:
                     invariance_cfg=self.recipe.invariance,
                     optimizer_cfg=self.recipe.optimizer,
                     lr=stage.lr(0, self.recipe.optimizer.lr),
+                    log=self.console.write,
                 )
         except GrowthCheckFailed as exc:
             # Nothing of the failed growth is checkpointed; its report is kept for the post-mortem.

@@ -24,7 +24,7 @@ from growtrain.stages.invariance import (
     structure_problems,
 )
 from growtrain.stages.invariance import probe as run_probe
-from growtrain.stages import sharding
+from growtrain.stages import sharding, streaming
 from growtrain.stages.registry import GrowthPlanError, Provenance, get_operator
 from growtrain.stages.values import value_check
 
@@ -177,26 +177,37 @@ class GrowthOutcome:
 
 
 def apply_growth(
-    model, optimizer_state, steps, *, seed, stage_index, stage_name, planned: ModelConfig, probe, invariance_cfg, optimizer_cfg=None, lr: float | None = None
+    model, optimizer_state, steps, *, seed, stage_index, stage_name, planned: ModelConfig, probe, invariance_cfg, optimizer_cfg=None, lr: float | None = None, log=None
 ) -> GrowthOutcome:
     """Apply `steps` in order; each is checked, and so is the whole transition (first model vs last,
     where several operators' approximations could add up); the first failure raises GrowthCheckFailed.
 
     optimizer_cfg / lr: the run's optimizer and the LR of the new stage's first step, for the
-    dynamics check (stages/dynamics.py; defaults: OptimizerConfig() and its lr)."""
+    dynamics check (stages/dynamics.py; defaults: OptimizerConfig() and its lr). log: a callable
+    told each streamed layer as it is done (stages/streaming.py), or None."""
     inputs_BT, targets_BT = probe
     records = []
     start_model, start_state = model, optimizer_state
     dyn = _Dynamics.of(invariance_cfg, optimizer_cfg, lr, model)
     chain = _Chain.identity(model)
     after = start = run_probe(model, inputs_BT)
-    for j, step in enumerate(steps):
-        op = get_operator(step.op)
-        exact = op.is_exact(step.args)
+    check_values = getattr(invariance_cfg, "values", True)
+    units = _units(steps, getattr(invariance_cfg, "stream", True))
+    for j, unit in units:
+        ops = [get_operator(s.op) for s in unit]
+        name = "+".join(op.name for op in ops)
+        exact = all(op.is_exact(s.args) for op, s in zip(ops, unit))
         before = after
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(growth_seed(seed, stage_index, j))
-            growth = op.apply(model, step.args)
+        streamed = None
+        if len(unit) == 1:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(growth_seed(seed, stage_index, j))
+                growth = ops[0].apply(model, unit[0].args)
+        else:  # expert operators and quantize_experts, one MoE layer at a time (stages/streaming.py)
+            keys = [_draw_key(growth_seed(seed, stage_index, j + i)) for i in range(len(unit))]
+            say = (lambda line: log(f"growth [{stage_name}] {name}: {line}")) if log is not None else None
+            streamed = streaming.apply_streamed(model, unit, keys, inputs_BT, invariance_cfg, check_values, say)
+            growth = streamed.growth
         new_model = growth.model
         new_model.set_expert_backend(model.expert_backend)  # runtime state: the probes compare like with like
         after = run_probe(new_model, inputs_BT)
@@ -205,7 +216,9 @@ def apply_growth(
         metrics, problems = _function_report(before, after, targets_BT, blocks, growth.stream_view, routers, exact, invariance_cfg)
         if problems and growth.notes:  # the operator's own account of what in these weights breaks it
             problems = problems + list(growth.notes)
-        planned_here = op.plan(model.config, step.args)
+        planned_here = model.config
+        for op, s in zip(ops, unit):
+            planned_here = op.plan(planned_here, s.args)
         with torch.device("meta"):
             planned_params = GrowLM(planned_here).num_parameters()
         # On expert shards every verdict is taken over all ranks (stages/sharding.py).
@@ -227,13 +240,21 @@ def apply_growth(
             # operator's state is the trainer's.
             folded = _reset_sources(growth.provenance)
             optimizer_state = {n: s for n, s in optimizer_state.items() if n not in folded}
-        if not structure and getattr(invariance_cfg, "values", True):
-            metrics["values"], found = value_check(step.op, step.args, model, growth)
+        if streamed is not None:
+            metrics["layers"] = streamed.layers
+            problems += streamed.problems
+            if check_values:
+                metrics["values"] = streamed.values
+        elif not structure and check_values:
+            metrics["values"], found = value_check(unit[0].op, unit[0].args, model, growth)
             problems += found
         if dyn.on and not structure:
-            problems += dyn.check_operator(step.op, step.args, exact, model, optimizer_state, new_model, new_state, growth.provenance, probe, invariance_cfg, metrics)
-        record = _record(stage_name, stage_index, j, op.name, step.to_plain(), exact, metrics, model, new_model, planned_params, sharding.union_ranks(structure + problems))
+            problems += dyn.check_operator(unit, exact, model, optimizer_state, new_model, new_state, growth.provenance, probe, invariance_cfg, metrics)
+        args = unit[0].to_plain() if len(unit) == 1 else {"ops": [s.to_plain() for s in unit]}
+        record = _record(stage_name, stage_index, j, name, args, exact, metrics, model, new_model, planned_params, sharding.union_ranks(structure + problems))
         record["provenance"] = _provenance_summary(growth.provenance)
+        if streamed is not None:
+            record["streamed"] = True
         records.append(record)
         if record["problems"]:
             raise GrowthCheckFailed(record)
@@ -242,7 +263,7 @@ def apply_growth(
         model = new_model
     if model.config != planned:  # the recipe's plan and the operators' results disagree: a bug, never train on
         raise RuntimeError(f"stage {stage_name}: grown shape {model.config} differs from the planned {planned}")
-    if len(steps) > 1:
+    if len(units) > 1:  # one unit: its own check is the transition's
         exact = all(get_operator(s.op).is_exact(s.args) for s in steps)
         metrics, problems = _function_report(start, after, targets_BT, chain.blocks, chain.view, chain.routers, exact, invariance_cfg)
         with torch.device("meta"):
@@ -280,12 +301,13 @@ class _Dynamics:
         on = bool(getattr(invariance_cfg, "dynamics", True))
         return cls(on, opt_cfg, lr, {}, {n: n for n, _ in model.named_parameters()}, set(), [])
 
-    def check_operator(self, op_name, args, exact, model, state, new_model, new_state, provenance, probe, cfg, metrics) -> list[str]:
-        patterns, why = held_patterns([op_name])
-        reason = approximate_step(op_name, args)
-        if reason is not None:
-            exact, why = False, why + [f"{op_name}: {reason}"]
-            self.approximate.append(reason)
+    def check_operator(self, unit, exact, model, state, new_model, new_state, provenance, probe, cfg, metrics) -> list[str]:
+        patterns, why = held_patterns([s.op for s in unit])
+        for s in unit:
+            reason = approximate_step(s.op, s.args)
+            if reason is not None:
+                exact, why = False, why + [f"{s.op}: {reason}"]
+                self.approximate.append(reason)
         fresh = fresh_masks(new_model, provenance)
         held_new = with_patterns(new_model, dict(fresh), patterns)
         # Old side: what the wholly held grown parameters came from (a reset's source, whose values
@@ -380,6 +402,24 @@ class _Chain:
             composed,
             outer if view is None else (lambda x: outer(view(x))),
         )
+
+
+def _units(steps, stream: bool) -> list[tuple[int, list]]:
+    """The stage's steps as applied: (index of the first, steps), one step each, or expert
+    operators and the quantize_experts after them together (stages/streaming.py)."""
+    units, j = [], 0
+    while j < len(steps):
+        n = streaming.stream_length(steps, j, stream)
+        units.append((j, list(steps[j : j + n])))
+        j += n
+    return units
+
+
+def _draw_key(seed: int) -> int:
+    """The key an operator applied under growth seed `seed` draws first (sharding.draw_key)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return sharding.draw_key()
 
 
 def _reset_sources(provenance: dict[str, Provenance]) -> set[str]:

@@ -43,7 +43,9 @@ S_RTOL = 1e-5  # S is a float sum of β (split shares carry zero-sum noise): exa
 NF4_ERROR_RTOL = 1e-6  # our quantization is bitsandbytes': the errors agree to rounding
 
 
-def value_check(op_name: str, args, old_model, growth: Growth) -> tuple[dict, list[str]]:
+def value_check(op_name: str, args, old_model, growth: Growth, nf4: bool = True) -> tuple[dict, list[str]]:
+    """Every check above for one operator's `growth` of `old_model` (nf4=False: without the NF4
+    dequantization check, for a caller that has run it on the same bases)."""
     t0 = time.perf_counter()
     old = dict(old_model.named_parameters())
     new = dict(growth.model.named_parameters())
@@ -59,7 +61,8 @@ def value_check(op_name: str, args, old_model, growth: Growth) -> tuple[dict, li
             mine[0], mine[1], worst = mine[0] + n, mine[1] + p, max(worst, diff)
             problems += found
         problems += _redraw_problems(op_name, args, old_model, growth)
-        problems += nf4_problems(growth.model)
+        if nf4:
+            problems += nf4_problems(growth.model)
         if op_name in ("quantize_experts", "merge_adapters"):
             problems += quantization_error_problems(old_model, growth.model, merged_source=op_name == "merge_adapters")
     # On expert shards: counts summed over the ranks, the worst difference their maximum.

@@ -6,7 +6,8 @@ tensors and the mapped optimizer state of one expert tensor.
 
 argv[2]: the operators, JSON [[name, {args}], ...]; argv[3]: a mutation ("none"; "local_layout":
 split and clone leave their children in the local order instead of moving them to their owners;
-"wrong_copies": the last rank's clones declare half their copy count S).
+"wrong_copies": the last rank's clones declare half their copy count S; "whole": no mutation, clone_experts
+and quantize_experts each applied to the whole model instead of one layer at a time).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def main(out: str, ops_json: str, mutation: str) -> None:
         with sharding.sharded(ep):
             outcome = apply_growth(
                 model, state, steps, seed=0, stage_index=1, stage_name="grown", planned=planned, probe=probe,
-                invariance_cfg=InvarianceConfig(), optimizer_cfg=opt_cfg, lr=opt_cfg.lr,
+                invariance_cfg=InvarianceConfig(stream=mutation != "whole"), optimizer_cfg=opt_cfg, lr=opt_cfg.lr,
             )
     except GrowthCheckFailed as exc:
         report.update(passed=False, records=[exc.record])

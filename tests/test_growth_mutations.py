@@ -16,12 +16,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
 import yaml
 
-from conftest import MICRO
+from conftest import MICRO, losses
 from growtrain.cli import _user_error_code
 from growtrain.optim import ParamState, decays
 from growtrain.recipe import load_recipe
@@ -351,3 +352,172 @@ def test_with_the_value_check_off_the_value_mutations_train_on_unseen(mutation, 
     result = run(load_recipe(path), tmp_path / "run", log=lambda *_: None)
     assert all(r["passed"] and "values" not in r["metrics"] for r in result.growth_history)
     assert "warning: invariance.values is false" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the streamed operators
+# split_experts, clone_experts and the quantize_experts after them, applied one MoE layer at a
+# time (stages/streaming.py): the split and cloned fp32 models never exist whole, so each layer's
+# operators are checked on that layer, the composed provenance on the whole model, and the whole
+# model once, old vs quantized. The same breakages as above, made inside the layer functions the
+# stream calls, must stop the run naming the streamed operators.
+
+STREAMED = copy.deepcopy(RECIPE)
+STREAMED["model"] = {**STREAMED["model"], "n_layers": 3}
+STREAMED["stages"] = [
+    STREAMED["stages"][0],
+    {**STREAMED["stages"][1], "grow": [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2, "layers": [0, 2]}]},
+    {
+        "name": "nf4",
+        "steps": 2,
+        "seq_len": 32,
+        "batch_size": 4,
+        "grow": [{"op": "split_experts"}, {"op": "clone_experts", "factor": 2, "reinit_fraction": 0.25}, {"op": "quantize_experts", "r": 4, "double_quant": False}],
+        "schedule": {"warmup_steps": 1},
+    },
+]
+PAIR = "split_experts+clone_experts+quantize_experts"
+
+
+def run_streamed(tmp_path, recipe=STREAMED):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "streamed.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return run(load_recipe(path), tmp_path / "run", log=lambda *_: None)
+
+
+def wrap_clone_layer(monkeypatch, change, op_name="clone_experts"):
+    """Break the stream's clone (or split) of every layer: change(tensors, provenance, args) -> None (in place)."""
+    from growtrain.stages import streaming
+
+    original = streaming.LAYERWISE[op_name]
+
+    def broken(model, args, block, key):
+        tensors, provenance = original(model, args, block, key)
+        change(tensors, provenance, args)
+        return tensors, provenance
+
+    monkeypatch.setitem(streaming.LAYERWISE, op_name, broken)
+
+
+def wrap_quantize_layer(monkeypatch, change):
+    """Break the stream's quantization of every layer: change(tensors) -> None (in place)."""
+    from growtrain.stages import streaming
+
+    original = streaming.quantize_layer
+
+    def broken(bases, block, cfg, key):
+        tensors, provenance = original(bases, block, cfg, key)
+        change(tensors)
+        return tensors, provenance
+
+    monkeypatch.setattr(streaming, "quantize_layer", broken)
+
+
+def streamed_clone_wrong_parent(monkeypatch):
+    def change(tensors, provenance, args):
+        for name, w in tensors.items():
+            if name.endswith(("experts.w_gate", "experts.w_up", "experts.w_down")):
+                E = w.shape[0] // args.factor
+                keep = ~provenance[name].fresh[E:].to(w.device)
+                w[E:] = torch.where(keep, w[E:].roll(1, dims=0), w[E:])
+
+    wrap_clone_layer(monkeypatch, change)
+
+
+def streamed_clone_redraw_fraction_wrong(monkeypatch):
+    from growtrain.stages import streaming
+
+    original = streaming.LAYERWISE["clone_experts"]
+    monkeypatch.setitem(streaming.LAYERWISE, "clone_experts", lambda model, args, block, key: original(model, dataclasses.replace(args, reinit_fraction=2 * args.reinit_fraction), block, key))
+
+
+def streamed_lora_b_nonzero(monkeypatch):
+    def change(tensors):
+        for name, w in tensors.items():
+            if name.endswith("_lora_B"):
+                w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) * 1e-3)
+
+    wrap_quantize_layer(monkeypatch, change)
+
+
+def streamed_lora_both_factors_zero(monkeypatch):
+    wrap_quantize_layer(monkeypatch, lambda tensors: [w.zero_() for n, w in tensors.items() if n.endswith("_lora_A")])
+
+
+def streamed_router_rows_swapped(monkeypatch):
+    """The clones' router rows of one layer moved to other experts (the provenance still says tiled):
+    the bound on the declared noise catches what the function bars might not."""
+
+    def change(tensors, provenance, args):
+        for name, w in tensors.items():
+            if name.endswith("router.weight"):
+                E = w.shape[0] // args.factor
+                w[E:] = w[E:].roll(1, dims=0)
+
+    wrap_clone_layer(monkeypatch, change)
+
+
+def streamed_split_child_values_off(monkeypatch):
+    """split_experts: one child's down-projection element ×(1 + 1e-6) (far below the exact bar)."""
+
+    def change(tensors, provenance, args):
+        for name, w in tensors.items():
+            if name.endswith("experts.w_down"):
+                w.view(-1)[0] *= 1 + 1e-6
+
+    wrap_clone_layer(monkeypatch, change, "split_experts")
+
+
+def streamed_split_router_rows_composed_wrong(monkeypatch):
+    """The composition of the split's and the clone's router provenance counts the copies once
+    (S = m instead of f·m): every layer's own provenance is right, the mapped state is not."""
+    from growtrain.stages import streaming
+
+    original = streaming.compose
+    monkeypatch.setattr(streaming, "compose", lambda first, then: dataclasses.replace(original(first, then), copies=then.copies))
+
+
+STREAMED_MUTATIONS = {
+    "streamed_split_child_values_off": (streamed_split_child_values_off, "values"),
+    "streamed_split_router_rows_composed_wrong": (streamed_split_router_rows_composed_wrong, "values"),
+    "streamed_clone_wrong_parent": (streamed_clone_wrong_parent, "values"),
+    "streamed_clone_redraw_fraction_wrong": (streamed_clone_redraw_fraction_wrong, "values"),
+    "streamed_router_rows_swapped": (streamed_router_rows_swapped, "values"),
+    "streamed_lora_b_nonzero": (streamed_lora_b_nonzero, "values"),
+    "streamed_lora_both_factors_zero": (streamed_lora_both_factors_zero, "trainability"),
+    "streamed_nf4_wrong_block_size": (nf4_wrong_block_size, "values"),
+}
+
+
+@pytest.mark.parametrize("mutation", STREAMED_MUTATIONS)
+def test_a_broken_layer_of_the_streamed_clone_and_quantize_stops_the_run_naming_the_pair(mutation, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    break_it, check = STREAMED_MUTATIONS[mutation]
+    break_it(monkeypatch)
+    with pytest.raises(GrowthCheckFailed) as info:
+        run_streamed(tmp_path)
+    record = info.value.record
+    assert record["operator"] == PAIR and record["streamed"], record["problems"]
+    assert any(p.startswith(f"{check}:") for p in record["problems"]), record["problems"]
+    if check == "values":  # the per-layer check names the operator and the layer; the composed one says so
+        assert any(re.match(r"values: ((split|clone|quantize)_experts, block [02]|composed provenance): ", p) for p in record["problems"]), record["problems"]
+
+
+def test_the_unbroken_streamed_run_checks_every_layer_and_matches_the_whole_model_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    streamed = run_streamed(tmp_path / "streamed")
+    pair = next(r for r in streamed.growth_history if r["operator"] == PAIR)
+    assert pair["passed"] and not pair["exact"] and sorted(pair["metrics"]["layers"]) == ["0", "2"]
+    for layer in pair["metrics"]["layers"].values():  # each operator's change of the layer measured, within the bars
+        assert layer["split_experts_rel_l2"] < 1e-5 and layer["split_experts_router_kl"] < 1e-5  # exact
+        assert layer["clone_experts_rel_l2"] > 0 and layer["quantize_experts_rel_l2"] > 0 and layer["rel_l2"] > 0
+        assert layer["router_kl"] <= 0.02
+    assert pair["metrics"]["values"]["elements"] > 0 and pair["metrics"]["values"]["perturbed"] > 0
+    assert pair["metrics"]["trainability"]["dead"] == 0
+    whole_recipe = copy.deepcopy(STREAMED)
+    whole_recipe["invariance"] = {**whole_recipe["invariance"], "stream": False}
+    whole = run_streamed(tmp_path / "whole", whole_recipe)
+    assert [r["operator"] for r in whole.growth_history][-4:] == ["split_experts", "clone_experts", "quantize_experts", "transition"]
+    assert losses(streamed.run_dir) == losses(whole.run_dir)  # the same grown model and state, bit for bit
+    # The pair's whole-model function check is the whole path's transition check: old vs quantized.
+    assert pair["metrics"]["rel_l2"] == whole.growth_history[-1]["metrics"]["rel_l2"]

@@ -13,14 +13,17 @@ import math
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import REPO, cli_env
 from growtrain.stages import sharding
+from growtrain.stages.streaming import stream_length
 
 WORKER = REPO / "tests" / "sharded_growth_worker.py"
+STREAMED_PAIR = "split_experts+clone_experts+quantize_experts"  # EXPERTS_TRANSITION's steps applied one MoE layer at a time
 EXPERTS_TRANSITION = [["deepen", {}], ["split_experts", {}], ["clone_experts", {"factor": 2}], ["quantize_experts", {"r": 4, "lora_alpha": 4}]]
 # The 120B recipe's first two transitions: drop-upcycling (random redraws) and widening with noise.
 UPCYCLE_WIDEN = [
@@ -107,18 +110,40 @@ def assert_same_growth(ranks: list[dict], one: dict) -> None:
 
 
 # EP 4 (one expert per rank before the split) for the experts transition; EP 2 for the others.
+# full_then_quantize: split_experts, clone_experts and quantize_experts one MoE layer at a time
+# (stages/streaming.py); _whole: each on the whole model, with its own checks.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "ops, worlds",
-    [(EXPERTS_TRANSITION, (2, 4)), (NF4_TRANSITION, (2,)), (UPCYCLE_WIDEN, (2,)), (DENSE_LORA, (2,)), (FRESH_DRAWS, (2,))],
-    ids=["full_then_quantize", "nf4", "upcycle_widen", "dense_lora", "fresh_draws"],
+    "ops, worlds, mode",
+    [(EXPERTS_TRANSITION, (2, 4), "none"), (EXPERTS_TRANSITION, (2,), "whole"), (NF4_TRANSITION, (2,), "none"), (UPCYCLE_WIDEN, (2,), "none"), (DENSE_LORA, (2,), "none"), (FRESH_DRAWS, (2,), "none")],
+    ids=["full_then_quantize", "full_then_quantize_whole", "nf4", "upcycle_widen", "dense_lora", "fresh_draws"],
 )
-def test_growth_on_expert_shards_equals_one_process(tmp_path, ops, worlds):
-    one = grow(tmp_path, 1, ops)[0]
+def test_growth_on_expert_shards_equals_one_process(tmp_path, ops, worlds, mode):
+    one = grow(tmp_path, 1, ops, mode)[0]
     ops_seen = [r["operator"] for r in one["records"]]
-    assert ops_seen == [name for name, _ in ops] + (["transition"] if len(ops) > 1 else [])
+    steps = [SimpleNamespace(op=name) for name, _ in ops]
+    applied, j = [], 0
+    while j < len(steps):  # split/clone runs ending in quantize_experts are applied together (stages/streaming.py)
+        n = stream_length(steps, j, mode != "whole")
+        applied.append("+".join(s.op for s in steps[j : j + n]))
+        j += n
+    assert ops_seen == applied + (["transition"] if len(applied) > 1 else [])
     for world in worlds:
-        assert_same_growth(grow(tmp_path, world, ops), one)
+        assert_same_growth(grow(tmp_path, world, ops, mode), one)
+
+
+@pytest.mark.slow
+def test_the_streamed_experts_transition_grows_the_whole_paths_model_and_state(tmp_path):
+    streamed, whole = grow(tmp_path, 2, EXPERTS_TRANSITION), grow(tmp_path, 1, EXPERTS_TRANSITION, "whole")[0]
+    for key in ("experts", "dense"):
+        for name, full in whole[key].items():
+            got = [row for r in streamed for row in r[key][name]] if key == "experts" else streamed[0][key][name]
+            assert torch.equal(torch.tensor(got), torch.tensor(full)), name
+    assert set(streamed[0]["state"]) == set(whole["state"])
+    for name, fields in whole["state"].items():
+        for k, v in fields.items():
+            got = [row for r in streamed for row in r["state"][name][k]] if isinstance(v, list) else streamed[0]["state"][name][k]
+            assert got == v, f"optimizer state {name}.{k}"
 
 
 def failed_alike(ranks: list[dict], operator: str) -> list[str]:
@@ -132,7 +157,7 @@ def failed_alike(ranks: list[dict], operator: str) -> list[str]:
 
 @pytest.mark.slow
 def test_children_left_on_the_wrong_rank_fail_the_check_on_every_rank(tmp_path):
-    problems = failed_alike(grow(tmp_path, 2, EXPERTS_TRANSITION, "local_layout"), "split_experts")
+    problems = failed_alike(grow(tmp_path, 2, EXPERTS_TRANSITION, "local_layout"), STREAMED_PAIR)
     assert any("exact operator" in p for p in problems), problems
     # In one process the local order is the global one: the same mutation changes nothing.
     assert grow(tmp_path, 1, EXPERTS_TRANSITION, "local_layout")[0]["passed"]
@@ -142,7 +167,7 @@ def test_children_left_on_the_wrong_rank_fail_the_check_on_every_rank(tmp_path):
 def test_a_wrong_copy_count_on_one_rank_fails_the_value_check_on_every_rank(tmp_path):
     # A clone's S counts siblings that sit on other ranks: the derivation sums over ranks, so a
     # wrong S on one rank is found, and every rank reaches the same verdict.
-    problems = failed_alike(grow(tmp_path, 2, EXPERTS_TRANSITION, "wrong_copies"), "clone_experts")
+    problems = failed_alike(grow(tmp_path, 2, EXPERTS_TRANSITION, "wrong_copies"), STREAMED_PAIR)
     assert any(re.search(r"declare copy count S = (0\.5|1) where the transform and β give (1|2) ", p) for p in problems), problems
 
 

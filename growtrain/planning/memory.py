@@ -400,7 +400,7 @@ def probe_bytes(cfg, batch: int, seq_len: int) -> int:
     return 8 * tokens * (cfg.vocab_size + 2 * cfg.n_layers * cfg.d_model + moe)
 
 
-def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, ranks: int, probe: tuple[int, int] = (0, 0)) -> int:
+def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, ranks: int, probe: tuple[int, int] = (0, 0), stream: bool = True) -> int:
     """Peak bytes one of `ranks` expert-parallel processes holds while a stage's growth runs
     (stages/transition.py). Where every operator of the stage grows expert shards
     (stages/sharding.py), a rank holds its E/W experts of every model alive at once and the whole
@@ -409,9 +409,15 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     their state (less the folded experts' state at a later quantize_experts), the new model's
     per-neuron bookkeeping, the checks' working set (the largest of their one-step and
     trainability passes, see below), and the probes (`probe`: the invariance probe's batch and sequence length): the stage's first, the old and the new model's, plus four logit tensors of
-    the one-step comparison. Otherwise every rank gathers the whole model: growth_peak_bytes.
+    the one-step comparison. With `stream` (invariance.stream), clone_experts and the
+    quantize_experts after it are one step, applied one MoE layer at a time (stages/streaming.py):
+    the old model and the quantized one are alive whole, the cloned fp32 experts for one layer
+    (with their quantized copy and the per-layer checks' copies), the old model's probe input to
+    every MoE layer, and no optimizer state of the cloned experts at all.
+    Otherwise every rank gathers the whole model: growth_peak_bytes.
     0 for a stage without growth."""
     from growtrain.stages import get_operator
+    from growtrain.stages.streaming import stream_length
 
     if not steps:
         return 0
@@ -432,10 +438,14 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
 
     peak, cfg, carried = 0.0, cfg_before, 0.0  # carried: per-neuron state fields of the current model
     start = held(cfg_before)
-    for j, step in enumerate(steps):
-        new_cfg = get_operator(step.op).plan(cfg, step.args)
+    j = 0
+    while j < len(steps):
+        unit = steps[j : j + stream_length(steps, j, stream)]
+        new_cfg = cfg
+        for s in unit:
+            new_cfg = get_operator(s.op).plan(new_cfg, s.args)
         new = count(new_cfg)
-        fresh = _marks_fresh(step)
+        fresh = len(unit) == 1 and _marks_fresh(unit[0])
         neurons = expert_weights(new_cfg) / 4 / new_cfg.d_model  # fp32 expert weights, d_model per neuron
         book = neurons * (_FRESH_PROVENANCE_BYTES + _FRESH_STATE_BYTES) if fresh else 0.0
         new_carried = neurons * _FRESH_STATE_BYTES if fresh else (0.0 if new_cfg.moe is not None and new_cfg.moe.expert_format == "nf4" else carried)
@@ -443,7 +453,8 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         # quantize_experts folds the fp32 experts into NF4 bases ('reset' sources): the checks hold
         # them whole on the old side (no gradient, saved copy or update), and a transition frees
         # their state once mapped where it made it (j > 0; the first operator's is the trainer's).
-        folded = [t for t in count(cfg).tensors if step.op == "quantize_experts" and t.trainable and t.role == "routed_experts"]
+        quantizes = unit[-1].op == "quantize_experts"
+        folded = [t for t in count(cfg).tensors if quantizes and t.trainable and t.role == "routed_experts"]
         old_step = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable) - sum(t.bytes * share(t) for t in folded)
         freed = sum(t.optimizer_bytes * share(t) for t in folded) if j else 0.0
         # The checks' working set (stages/dynamics.py), the largest of: the old side's step (saved
@@ -454,7 +465,24 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         work = max(3 * old_step, old_step + 2 * trainable, 2.25 * trainable) + largest_state
         probes = (probe_bytes(cfg_before, *probe) if j else 0) + probe_bytes(cfg, *probe) + probe_bytes(new_cfg, *probe)
         probes += 4 * 8 * probe[0] * probe[1] * new_cfg.vocab_size
-        alive = (start if j else 0.0) + held(cfg) - freed + carried + held(new_cfg) + book + work + probes
+        layer = 0.0
+        if len(unit) > 1:
+            # One layer's fp32 experts after each expert operator of the stream, its NF4 + adapter
+            # copy, and the value check's int32 indices and float64 sums over the largest of those
+            # tensors (~ the largest layer once more, stages/values.py); the probe input of every
+            # MoE layer (fp32).
+            shapes, c = [], cfg
+            for s in unit[:-1]:
+                c = get_operator(s.op).plan(c, s.args)
+                shapes.append(c)
+            moe_layers = max(len(new_cfg.moe_layers), 1)
+            chain = [expert_weights(c) / moe_layers for c in shapes]
+            final_layer = sum(t.bytes * share(t) for t in new.tensors if t.expert_sharded) / moe_layers
+            layer = sum(chain) + max(chain) + final_layer
+            probes += 4 * probe[0] * probe[1] * cfg.d_model * moe_layers
+        alive = (start if j else 0.0) + held(cfg) - freed + carried + held(new_cfg) + book + work + probes + layer
         peak = max(peak, alive)
         cfg, carried = new_cfg, new_carried
+        j += len(unit)
     return int(peak)
+

@@ -185,7 +185,7 @@ def plan_recipe(recipe, hw: Hardware) -> Plan:
         count = counts.get(cfg) or counts.setdefault(cfg, count_model(cfg, recipe.optimizer))
         grow_peak = growth_peak_bytes(previous, stage.grow, recipe.optimizer, counts)
         probe = (recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len)
-        grow_peak_rank = growth_peak_bytes_per_rank(previous, stage.grow, recipe.optimizer, counts, hw.gpus, probe)
+        grow_peak_rank = growth_peak_bytes_per_rank(previous, stage.grow, recipe.optimizer, counts, hw.gpus, probe, recipe.invariance.stream)
         previous = cfg
         acts = stage_activations(cfg, stage.batch_size, stage.seq_len, precision, hw.gpus)
         mem = memory_per_gpu(cfg, count, acts, hw.gpus, precision)

@@ -73,7 +73,7 @@ from growtrain.kernels.nf4_reference import NESTED_BLOCKSIZE, NF4_BLOCKSIZE
 from growtrain.model.config import ModelConfig
 from growtrain.model.nf4 import MATRICES, nf4_cat_experts, nf4_per_expert, nf4_scale, nf4_slice_rows, nf4_take_experts, row_slice_problem, stack_state
 from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
-from growtrain.stages.sharding import children_to_owners, local_range
+from growtrain.stages.sharding import children_to_owners, draw_key, local_range, sub_key
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -179,13 +179,47 @@ def _split_transform(what: str, f: int, E: int):
     return lambda t: t.repeat((f,) + (1,) * (t.ndim - 1))  # router rows, balance bias
 
 
-def apply_split(model, args: SplitExpertsArgs) -> Growth:
-    old_cfg, f = model.config, args.factor
-    new_cfg = plan_split(old_cfg, args)
-    E = old_cfg.moe.num_experts
+def ffn_block(name: str, cfg: ModelConfig) -> int | None:
+    """The block of an MoE layer's FFN tensor (router, experts, shared expert); None otherwise."""
+    parts = name.split(".")
+    if parts[0] == "blocks" and parts[2:4] == ["g", "ffn"] and cfg.is_moe_layer(int(parts[1])):
+        return int(parts[1])
+    return None
+
+
+def _grow_by_layer(model, args, layer_fn, new_cfg: ModelConfig, key: int | None) -> tuple[dict, dict]:
+    """Every tensor outside the MoE layers' FFNs carried; each MoE layer grown by `layer_fn`."""
     params = {n for n, _ in model.named_parameters()}
     new, provenance = {}, {}
     for name, w in model.state_dict().items():
+        if ffn_block(name, model.config) is None:
+            carry(name, w, params, new, provenance)
+    for b in moe_blocks(model.config):
+        tensors, prov = layer_fn(model, args, b, key)
+        new.update(tensors)
+        provenance.update(prov)
+    return new, provenance
+
+
+def apply_split(model, args: SplitExpertsArgs) -> Growth:
+    old_cfg, f = model.config, args.factor
+    new_cfg = plan_split(old_cfg, args)
+    new, provenance = _grow_by_layer(model, args, split_layer, new_cfg, None)
+    parent = torch.arange(f * old_cfg.moe.num_experts) % old_cfg.moe.num_experts
+    notes = [f"split_experts ×{f}: {p}" for p in selection_tie_problems(model)]
+    return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)}, notes=notes)
+
+
+def split_layer(model, args: SplitExpertsArgs, block: int, key: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Provenance]]:
+    """One MoE layer's children (router rows, experts; a shared expert carried) and their
+    provenance; draws nothing (`key` unused: the signature of stages/streaming.LAYERWISE)."""
+    old_cfg, f = model.config, args.factor
+    E = old_cfg.moe.num_experts
+    moe = model.blocks[block].g.ffn
+    prefix = f"blocks.{block}.g.ffn."
+    params = {n for n, _ in moe.named_parameters(prefix=prefix[:-1])}
+    new, provenance = {}, {}
+    for name, w in moe.state_dict(prefix=prefix).items():
         where = expert_param(name, old_cfg)
         if where is None:
             carry(name, w, params, new, provenance)
@@ -201,14 +235,11 @@ def apply_split(model, args: SplitExpertsArgs) -> Growth:
         if name in params:
             provenance[name] = Provenance("copy", name, transform, copies=1.0 if what in ("w_gate", "w_up") else float(f), beta=beta)
     if is_nf4(old_cfg):
-        for b in moe_blocks(old_cfg):
-            _split_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", f, E, new, provenance)
-    parent = torch.arange(f * E) % E
-    notes = [f"split_experts ×{f}: {p}" for p in selection_tie_problems(model)]
-    return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)}, notes=notes)
+        _split_nf4(moe.experts, prefix + "experts.", f, E, new, provenance)
+    return new, provenance
 
 
-def selection_tie_problems(model) -> list[str]:
+def selection_tie_problems(model, blocks: list[int] | None = None) -> list[str]:
     """One line per MoE layer whose top-k can take part of a group of exactly tied experts (bitwise
     identical router rows and selection biases, so equal selection scores for every token), saying
     why a split cannot then be exact and what to do; [] when every group is taken whole (all groups
@@ -217,7 +248,7 @@ def selection_tie_problems(model) -> list[str]:
     cfg = model.config
     k = cfg.moe.top_k if cfg.moe is not None else 0
     problems = []
-    for b in moe_blocks(cfg):
+    for b in moe_blocks(cfg) if blocks is None else blocks:
         router = model.blocks[b].g.ffn.router
         # [E, D + 1] keys: two experts tie for every token exactly when their keys are equal.
         keys_EK = torch.cat([router.weight.detach().float(), router.balance_bias.detach().float().unsqueeze(1)], dim=1)
@@ -284,53 +315,67 @@ def plan_clone(cfg: ModelConfig, args: CloneExpertsArgs) -> ModelConfig:
 
 
 def apply_clone(model, args: CloneExpertsArgs) -> Growth:
-    old_cfg, m = model.config, args.factor
+    old_cfg = model.config
     new_cfg = plan_clone(old_cfg, args)
+    key = draw_key()  # first, as stages/streaming.py draws it
+    new, provenance = _grow_by_layer(model, args, clone_layer, new_cfg, key)
+    parent = torch.arange(args.factor * old_cfg.moe.num_experts) % old_cfg.moe.num_experts
+    return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)})
+
+
+def clone_layer(model, args: CloneExpertsArgs, block: int, key: int) -> tuple[dict[str, torch.Tensor], dict[str, Provenance]]:
+    """One MoE layer's grown tensors (router, experts, shared expert carried) and their provenance.
+    Its random draws come from a generator seeded by (key, block): a layer grows the same whether
+    the model grows whole or one layer at a time (stages/streaming.py)."""
+    old_cfg, m = model.config, args.factor
     E, F = old_cfg.moe.num_experts, old_cfg.moe.expert_hidden
     parent = torch.arange(m * E) % E
     first = torch.arange(m * E) < E
     lo, hi = local_range(m * E)  # the grown experts this rank holds (all of them in one process)
-    params = {n for n, _ in model.named_parameters()}
+    moe = model.blocks[block].g.ffn
+    prefix = f"blocks.{block}.g.ffn."
+    params = {n for n, _ in moe.named_parameters(prefix=prefix[:-1])}
     tile = _tile(m)
     children = _children(m, E)
     nf4 = is_nf4(old_cfg)
-    # Drawn for every expert on every rank (an [mE, F] mask per layer), so the same whatever the EP size.
-    redraw = {} if nf4 else {b: pick_neurons(m * E, F, args.reinit_fraction, skip=first) for b in moe_blocks(old_cfg)}
     new, provenance = {}, {}
-    for name, w in model.state_dict().items():
-        where = expert_param(name, old_cfg)
-        if where is None:
-            carry(name, w, params, new, provenance)
-            continue
-        block, what = where
-        if what.startswith("router."):  # replicated: every rank grows all of its rows
-            grown = tile(w)
-            noisy, bound = None, 0.0
-            if what == "router.weight" and args.router_noise > 0:
-                rms = w.double().pow(2).mean().sqrt().item()
-                noise = torch.randn(grown.shape, dtype=torch.float64) * (args.router_noise * rms)
-                noise[:E] = 0  # the first child keeps its parent's logits exactly
-                grown = grown + noise.to(device=w.device, dtype=w.dtype)
-                # N(0, std²) draws beyond 12 std: probability ~1e-32 (plus the sum's fp32 rounding).
-                noisy = (~first).view(-1, *([1] * (grown.ndim - 1))).expand(grown.shape).to(grown.device)
-                bound = 12.0 * args.router_noise * rms + 1e-6 * float(grown.abs().max())
-            if what == "router.balance_bias":
-                grown = grown * _bias_scale(old_cfg.moe, m)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sub_key(key, block))
+        # Drawn for every expert on every rank (an [mE, F] mask), so the same whatever the EP size.
+        redraw = None if nf4 else pick_neurons(m * E, F, args.reinit_fraction, skip=first)
+        for name, w in moe.state_dict(prefix=prefix).items():
+            where = expert_param(name, old_cfg)
+            if where is None:
+                carry(name, w, params, new, provenance)
+                continue
+            what = where[1]
+            if what.startswith("router."):  # replicated: every rank grows all of its rows
+                grown = tile(w)
+                noisy, bound = None, 0.0
+                if what == "router.weight" and args.router_noise > 0:
+                    rms = w.double().pow(2).mean().sqrt().item()
+                    noise = torch.randn(grown.shape, dtype=torch.float64) * (args.router_noise * rms)
+                    noise[:E] = 0  # the first child keeps its parent's logits exactly
+                    grown = grown + noise.to(device=w.device, dtype=w.dtype)
+                    # N(0, std²) draws beyond 12 std: probability ~1e-32 (plus the sum's fp32 rounding).
+                    noisy = (~first).view(-1, *([1] * (grown.ndim - 1))).expand(grown.shape).to(grown.device)
+                    bound = 12.0 * args.router_noise * rms + 1e-6 * float(grown.abs().max())
+                if what == "router.balance_bias":
+                    grown = grown * _bias_scale(old_cfg.moe, m)
+                new[name] = grown
+                if name in params:
+                    provenance[name] = Provenance("copy", name, tile, copies=float(m), beta=1.0, perturbed=noisy, perturb_bound=bound)
+                continue
+            if nf4:
+                continue  # _clone_nf4 below
+            hidden_dim = 1 if what in ("w_gate", "w_up") else 2
+            grown, fresh = redraw_neurons(children(w), redraw[lo:hi], hidden_dim, torch.arange(lo, hi))
             new[name] = grown
-            if name in params:
-                provenance[name] = Provenance("copy", name, tile, copies=float(m), beta=1.0, perturbed=noisy, perturb_bound=bound)
-            continue
-        if nf4:
-            continue  # _clone_nf4 below
-        hidden_dim = 1 if what in ("w_gate", "w_up") else 2
-        grown, fresh = redraw_neurons(children(w), redraw[block][lo:hi], hidden_dim, torch.arange(lo, hi))
-        new[name] = grown
-        copies = along_hidden(sibling_copies(~redraw[block], parent, E)[lo:hi], hidden_dim)
-        provenance[name] = Provenance("copy", name, children, copies=copies, beta=1.0, fresh=fresh)
+            copies = along_hidden(sibling_copies(~redraw, parent, E)[lo:hi], hidden_dim)
+            provenance[name] = Provenance("copy", name, children, copies=copies, beta=1.0, fresh=fresh)
     if nf4:
-        for b in moe_blocks(old_cfg):
-            _clone_nf4(model.blocks[b].g.ffn.experts, f"blocks.{b}.g.ffn.experts.", m, E, new, provenance)
-    return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)})
+        _clone_nf4(moe.experts, prefix + "experts.", m, E, new, provenance)
+    return new, provenance
 
 
 def _children(m: int, E: int):

@@ -28,7 +28,7 @@ from growtrain.model.dense_lora import refuse_peft_wrapped
 from growtrain.model.nf4 import MATRICES, fresh_adapters, quantize_stack, stack_state, stored_layout
 from growtrain.stages.common import carry, materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
-from growtrain.stages.sharding import local_range
+from growtrain.stages.sharding import draw_key, local_range, sub_key
 
 
 @dataclass(frozen=True)
@@ -87,17 +87,31 @@ def _fill_experts(new, provenance, prefix, bases: dict[str, torch.Tensor], sourc
         provenance[prefix + f"{m}_lora_B"] = Provenance("reset", src_b)
 
 
+def quantize_layer(bases: dict[str, torch.Tensor], block: int, new_cfg: ModelConfig, key: int) -> tuple[dict[str, torch.Tensor], dict[str, Provenance]]:
+    """One MoE layer's NF4 bases and fresh adapters from its full-precision expert matrices
+    `bases` (w_gate, w_up, w_down; this rank's experts), with their provenance. The adapters'
+    draws come from a generator seeded by (key, block): the same whether the model is quantized
+    whole or one layer at a time (stages/streaming.py)."""
+    prefix = f"blocks.{block}.g.ffn.experts."
+    new, provenance = {}, {}
+    # Both adapters replace the full-precision matrix, whose values now live in the NF4 base.
+    sources = {m: (prefix + m, prefix + m) for m in MATRICES}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sub_key(key, block))
+        _fill_experts(new, provenance, prefix, bases, sources, new_cfg, bases[MATRICES[0]])
+    return new, provenance
+
+
 def apply_quantize(model, args: QuantizeExpertsArgs) -> Growth:
     refuse_peft_wrapped(model, "quantize_experts")
     new_cfg = plan_quantize(model.config, args)
+    key = draw_key()  # first, as stages/streaming.py draws it
     new, provenance, prefixes = _new_state(model, new_cfg)
     old = model.state_dict()
-    like = next(model.parameters())
-    for prefix in prefixes:
-        bases = {m: old[prefix + m] for m in MATRICES}
-        # Both adapters replace the full-precision matrix, whose values now live in the NF4 base.
-        sources = {m: (prefix + m, prefix + m) for m in MATRICES}
-        _fill_experts(new, provenance, prefix, bases, sources, new_cfg, like)
+    for block, prefix in zip(new_cfg.moe_layers, prefixes):
+        tensors, prov = quantize_layer({m: old[prefix + m] for m in MATRICES}, block, new_cfg, key)
+        new.update(tensors)
+        provenance.update(prov)
     return Growth(materialize(new_cfg, new), provenance)
 
 
