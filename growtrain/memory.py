@@ -111,7 +111,8 @@ class LiveTensorMeter(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
         st = _storage(t)
-        if st is None or id(st) in self._seen or st.nbytes() == 0 or st.data_ptr() in inputs:
+        # Meta tensors hold no memory (a model built on meta to count its parameters).
+        if st is None or t.device.type == "meta" or id(st) in self._seen or st.nbytes() == 0 or st.data_ptr() in inputs:
             return
         nbytes = st.nbytes()
         self._seen.add(id(st))

@@ -30,3 +30,14 @@ def test_a_phase_sees_what_it_held_at_its_peak_and_what_was_alive_before(tmp_pat
     assert record["live_peak_bytes"] - record["baseline_bytes"] >= 16_000_000
     assert record["live_peak_bytes"] - record["baseline_bytes"] < 16_000_000 + 1_000_000
     assert small.sum() == 1_000
+
+
+def test_the_live_meter_counts_real_storages_and_not_a_model_built_on_meta():
+    from growtrain.memory import LiveTensorMeter
+    from growtrain.model import GrowLM, ModelConfig
+
+    with LiveTensorMeter() as meter:
+        with torch.device("meta"):
+            GrowLM(ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, ffn_hidden=128))
+        held = torch.zeros(1000)
+    assert meter.peak == held.nbytes  # the meta model held nothing
