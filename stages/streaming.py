@@ -173,7 +173,10 @@ def compose(first: Provenance, then: Provenance) -> Provenance:
     perturbed, bound = then.perturbed, then.perturb_bound
     if first.perturbed is not None:
         earlier = True if first.perturbed is True else t2(first.perturbed.float()) > 0
-        perturbed = earlier if perturbed is None else (True if True in (earlier, perturbed) else earlier | perturbed)
+        if perturbed is None or earlier is True or perturbed is True:
+            perturbed = True if True in (earlier is True, perturbed is True) else earlier
+        else:
+            perturbed = earlier | perturbed
         bound = bound + abs(then.beta) * first.perturb_bound
     return Provenance(
         "copy",

@@ -81,5 +81,11 @@ def test_compose_keeps_the_first_source_and_multiplies_float_copy_counts():
     assert compose(Provenance("carried", "old"), clone).source == "old"
     assert compose(split, Provenance("carried", "r")) is split
     assert compose(split, Provenance("reset", "r")).kind == "reset"
+    noisy_split = dataclasses.replace(split, perturbed=torch.tensor([True, False, True, False]).view(4, 1), perturb_bound=0.25)
+    last = torch.tensor([False] * 11 + [True]).view(12, 1)
+    mixed = compose(noisy_split, dataclasses.replace(clone, perturbed=last))  # two masks: their union, the bounds added
+    assert mixed.perturbed.view(-1).tolist() == [True, False] * 5 + [True, True] and mixed.perturb_bound == 0.75
+    one = compose(noisy_split, dataclasses.replace(clone, perturbed=None))
+    assert one.perturbed.view(-1).tolist() == [True, False] * 6
     with pytest.raises(ValueError, match="per-element"):
         compose(dataclasses.replace(split, copies=torch.ones(4, 1)), clone)
