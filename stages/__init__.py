@@ -4,6 +4,7 @@ driver. The trainer uses only the names exported here."""
 from growtrain.stages.registry import OPERATORS, GrowthPlanError, Operator, Provenance, get_operator, register
 from growtrain.stages import operators as _operators  # noqa: F401  (registers the built-in operators)
 from growtrain.stages.transition import GrowthCheckFailed, GrowthOutcome, apply_growth, plan_stage_models
+from growtrain.stages.streaming import stream_length
 
 __all__ = [
     "OPERATORS",
@@ -16,4 +17,5 @@ __all__ = [
     "get_operator",
     "plan_stage_models",
     "register",
+    "stream_length",
 ]

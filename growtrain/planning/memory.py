@@ -409,15 +409,14 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     their state (less the folded experts' state at a later quantize_experts), the new model's
     per-neuron bookkeeping, the checks' working set (the largest of their one-step and
     trainability passes, see below), and the probes (`probe`: the invariance probe's batch and sequence length): the stage's first, the old and the new model's, plus four logit tensors of
-    the one-step comparison. With `stream` (invariance.stream), clone_experts and the
-    quantize_experts after it are one step, applied one MoE layer at a time (stages/streaming.py):
-    the old model and the quantized one are alive whole, the cloned fp32 experts for one layer
-    (with their quantized copy and the per-layer checks' copies), the old model's probe input to
-    every MoE layer, and no optimizer state of the cloned experts at all.
+    the one-step comparison. With `stream` (invariance.stream), a run of split_experts /
+    clone_experts and the quantize_experts after it are one step, applied one MoE layer at a time
+    (stages/streaming.py): the old model and the quantized one are alive whole, each operator's
+    fp32 experts for one layer (with their quantized copy and the per-layer checks' copies), the
+    old model's probe input to every MoE layer, and no optimizer state of the intermediate experts.
     Otherwise every rank gathers the whole model: growth_peak_bytes.
     0 for a stage without growth."""
-    from growtrain.stages import get_operator
-    from growtrain.stages.streaming import stream_length
+    from growtrain.stages import get_operator, stream_length
 
     if not steps:
         return 0
