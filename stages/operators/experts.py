@@ -201,6 +201,23 @@ def _grow_by_layer(model, args, layer_fn, new_cfg: ModelConfig, key: int | None)
     return new, provenance
 
 
+def _layer_tensors(model, block: int, new: dict, provenance: dict):
+    """(module, name prefix, its parameter names, [(name, what, tensor)] of its router and expert
+    tensors) of MoE layer `block`; everything else in the layer (a shared expert) carried into
+    `new` / `provenance`."""
+    moe = model.blocks[block].g.ffn
+    prefix = f"blocks.{block}.g.ffn."
+    params = {n for n, _ in moe.named_parameters(prefix=prefix[:-1])}
+    grown = []
+    for name, w in moe.state_dict(prefix=prefix).items():
+        where = expert_param(name, model.config)
+        if where is None:
+            carry(name, w, params, new, provenance)
+        else:
+            grown.append((name, where[1], w))
+    return moe, prefix, params, grown
+
+
 def apply_split(model, args: SplitExpertsArgs) -> Growth:
     old_cfg, f = model.config, args.factor
     new_cfg = plan_split(old_cfg, args)
@@ -215,16 +232,9 @@ def split_layer(model, args: SplitExpertsArgs, block: int, key: int | None = Non
     provenance; draws nothing (`key` unused: the signature of stages/streaming.LAYERWISE)."""
     old_cfg, f = model.config, args.factor
     E = old_cfg.moe.num_experts
-    moe = model.blocks[block].g.ffn
-    prefix = f"blocks.{block}.g.ffn."
-    params = {n for n, _ in moe.named_parameters(prefix=prefix[:-1])}
     new, provenance = {}, {}
-    for name, w in moe.state_dict(prefix=prefix).items():
-        where = expert_param(name, old_cfg)
-        if where is None:
-            carry(name, w, params, new, provenance)
-            continue
-        what = where[1]
+    moe, prefix, params, grown = _layer_tensors(model, block, new, provenance)
+    for name, what, w in grown:
         if is_nf4(old_cfg) and not what.startswith("router."):
             continue  # _split_nf4 below
         transform = _split_transform(what, f, E)
@@ -332,23 +342,16 @@ def clone_layer(model, args: CloneExpertsArgs, block: int, key: int) -> tuple[di
     parent = torch.arange(m * E) % E
     first = torch.arange(m * E) < E
     lo, hi = local_range(m * E)  # the grown experts this rank holds (all of them in one process)
-    moe = model.blocks[block].g.ffn
-    prefix = f"blocks.{block}.g.ffn."
-    params = {n for n, _ in moe.named_parameters(prefix=prefix[:-1])}
     tile = _tile(m)
     children = _children(m, E)
     nf4 = is_nf4(old_cfg)
     new, provenance = {}, {}
+    moe, prefix, params, grown_here = _layer_tensors(model, block, new, provenance)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sub_key(key, block))
         # Drawn for every expert on every rank (an [mE, F] mask), so the same whatever the EP size.
         redraw = None if nf4 else pick_neurons(m * E, F, args.reinit_fraction, skip=first)
-        for name, w in moe.state_dict(prefix=prefix).items():
-            where = expert_param(name, old_cfg)
-            if where is None:
-                carry(name, w, params, new, provenance)
-                continue
-            what = where[1]
+        for name, what, w in grown_here:
             if what.startswith("router."):  # replicated: every rank grows all of its rows
                 grown = tile(w)
                 noisy, bound = None, 0.0
