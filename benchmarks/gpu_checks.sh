@@ -67,7 +67,7 @@ if [ "$CPU" -eq 0 ]; then
     timeout 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m growtrain run tiny --out "$OUT/ep_run" \
       --set stages.0.steps=20 --set stages.0.schedule.warmup_steps=5 --set stages.1.steps=10 --set stages.1.schedule.warmup_steps=2 \
       --set stages.2.steps=10 --set stages.2.schedule.warmup_steps=2 --set stages.3.steps=5 --set stages.3.schedule.warmup_steps=1 \
-      --set tracking.wandb.mode=disabled 2>&1 | tail -40 | tee "$OUT/ep_run.txt"
+      --set tracking.wandb.mode=disabled --set invariance.probe_batch_size=$(( NGPU > 4 ? NGPU : 4 )) 2>&1 | tail -40 | tee "$OUT/ep_run.txt"
     RC[6_torchrun_nccl]=${PIPESTATUS[0]}
   else
     echo "6_torchrun_nccl: skipped, $NGPU GPU(s)" | tee "$OUT/ep_run.txt"

@@ -58,6 +58,11 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
             problems.append(f"stages '{stage.name}': batch_size {stage.batch_size} does not divide over {W} ranks (each trains its share of the rows)")
         if shape.moe is not None and shape.moe_layers and shape.moe.num_experts % W:
             problems.append(f"stages '{stage.name}': {shape.moe.num_experts} experts do not divide over {W} expert-parallel ranks")
+    if any(stage.grow for stage in recipe.stages) and recipe.invariance.probe_batch_size < W:
+        problems.append(
+            f"invariance.probe_batch_size {recipe.invariance.probe_batch_size} is smaller than the {W} ranks "
+            "(growth on expert shards checks each rank on its share of the probe rows)"
+        )
     if recipe.optimizer.dense_state_bits == 8:
         problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
     return problems
@@ -180,32 +185,10 @@ class Dist:
         return {n: p for n, p in named_params.items() if is_expert_tensor(n) or self.owner_table.get(n) == self.rank}
 
     def sync_grads(self, model: nn.Module) -> None:
-        """Mean over ranks: dense gradients all-reduced, expert gradients (one replica each, summed
-        over every rank's tokens by the all-to-all's backward) divided by W."""
+        """Mean over ranks (mean_grads) of the trainable parameters' gradients."""
         if not self.active:
             return
-        dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not is_expert_tensor(n)]
-        # One flat buffer, plus a has-gradient flag per tensor, so a parameter without a gradient
-        # on every rank stays without one (as in a single process) instead of turning into zeros.
-        # The flags live where the gradients do: a buffer of another device would make the cat
-        # mix devices; a model off Dist.device is the collective's error (and the guard's) to name.
-        device = dense[0][1].device if dense else self.device
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for _, p in dense]
-            + [torch.tensor([float(p.grad is not None) for _, p in dense], device=device)]
-        )
-        dist.all_reduce(flat)
-        flags = flat[-len(dense) :] if dense else flat[:0]
-        offset = 0
-        for (_, p), flag in zip(dense, flags.tolist()):
-            n = p.numel()
-            p.grad = (flat[offset : offset + n].view_as(p) / self.size).to(p.dtype) if flag > 0 else None
-            offset += n
-        for n, p in model.named_parameters():
-            if p.requires_grad and is_expert_tensor(n):
-                # A rank whose experts got no token this step has no gradient for them; in one
-                # process the stacked tensor always has one (zero rows), and Adam steps it.
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(self.size)
+        mean_grads({n: p for n, p in model.named_parameters() if p.requires_grad}, self.size, self.device)
 
     def sum_squares(self, sq: torch.Tensor) -> torch.Tensor:
         """The global squared gradient norm from each rank's owned share."""
@@ -355,6 +338,38 @@ class Dist:
             for f in self.error_dir.glob("rank-*.txt"):
                 f.unlink(missing_ok=True)
         self.barrier()
+
+
+def mean_grads(named: dict[str, nn.Parameter], size: int, device: torch.device | None = None) -> None:
+    """The gradients' mean over `size` ranks: dense gradients all-reduced, expert gradients (one
+    replica each, summed over every rank's tokens by the all-to-all's backward) divided by W.
+    device: where the flags go when there is no dense parameter. The same parameters, in the same
+    order, on every rank (a collective)."""
+    dense = [(n, p) for n, p in named.items() if not is_expert_tensor(n)]
+    # One flat buffer, plus a has-gradient flag per tensor, so a parameter without a gradient
+    # on every rank stays without one (as in a single process) instead of turning into zeros.
+    # The flags live where the gradients do: a buffer of another device would make the cat
+    # mix devices; a model off Dist.device is the collective's error (and the guard's) to name.
+    device = dense[0][1].device if dense else device
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for _, p in dense]
+        + [torch.tensor([float(p.grad is not None) for _, p in dense], device=device)]
+    )
+    dist.all_reduce(flat)
+    flags = flat[-len(dense) :].tolist() if dense else []
+    flat.div_(size)
+    offset = 0
+    # Each gradient a view of the buffer (a copy only where the parameter is not fp32): the
+    # replaced gradients are freed as the loop goes, so the peak holds them once plus the buffer.
+    for (_, p), flag in zip(dense, flags):
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype) if flag > 0 else None
+        offset += n
+    for n, p in named.items():
+        if is_expert_tensor(n):
+            # A rank whose experts got no token this step has no gradient for them; in one
+            # process the stacked tensor always has one (zero rows), and Adam steps it.
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(size)
 
 
 def is_peer_failure(exc: BaseException) -> bool:

@@ -24,10 +24,13 @@ no logit at all.
 
 Cost on the probe batch, per operator: the old model 1 forward+backward and 1 forward; the new one
 1 forward+backward and 1 forward (dynamics), and 1 forward+backward for trainability, plus
-TRAINABILITY_STEPS more when some new element has no gradient at first (zero-initialised factors); plus a copy
-of the weights, the gradients and one tensor's optimizer state at a time (stages/dynamics.step_each)
-of each. The transition's check adds one old and one new
-step.
+TRAINABILITY_STEPS more when some new element has no gradient at first (zero-initialised factors).
+Memory: each side's gradients, then its saved weights growing as step_each drops them (one copy of
+the stepped weights in all), and one tensor's optimizer state at a time; no side's updates are
+kept unless the comparison fails (then `locate` steps both again to name the parameter). The
+transition's check adds one old and one new step. On expert shards each rank runs its rows of the
+probe (sharding.probe_share): the loss is scaled and the gradients averaged so that they are the
+whole probe's, and every figure is reduced over the ranks.
 
 Legend: B batch, T sequence, V vocabulary.
 """
@@ -155,8 +158,11 @@ def with_patterns(model, held: dict, patterns: tuple[str, ...]) -> dict:
 
 
 def _loss(model, inputs_BT, targets_BT, with_aux: bool = False):
+    """The probe loss of this rank's share (sharding.probe_share), scaled so that probe_grads
+    gives the whole probe's mean-loss gradients; in one process the mean."""
     out = model(inputs_BT)
-    loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets_BT.flatten())
+    ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets_BT.flatten(), reduction="sum")
+    loss = ce / sharding.probe_tokens(targets_BT.numel())
     return out, (loss + out.aux_loss if with_aux else loss)
 
 
@@ -168,7 +174,7 @@ def _backward(model, inputs_BT, targets_BT) -> dict:
     with torch.enable_grad():
         out, loss = _loss(model, inputs_BT, targets_BT, with_aux=True)
         loss.backward()
-    sharding.expert_grads_per_rank(named)
+    sharding.probe_grads(named)
     return _expert_loads(model, out)
 
 
@@ -185,33 +191,38 @@ def _optimizer(named, state, opt_cfg):
     return opt
 
 
-def step_each(named: dict, state: dict, opt_cfg, lr: float) -> None:
+def step_each(named: dict, state: dict, opt_cfg, lr: float, saved: dict | None = None) -> None:
     """One optimizer step of every parameter with a gradient (already clipped), one tensor at a time,
     each on a copy of its own state, its gradient dropped once it has stepped: what the run's
     optimizer computes when it steps them all (its update is elementwise, per tensor), holding one
     tensor's state copy instead of the whole model's (at the 120B recipe's clone step, per rank:
-    ~1 GB, one layer's expert matrix, instead of ~120 GB)."""
+    ~1 GB, one layer's expert matrix, instead of ~120 GB). saved: a parameter's value is copied
+    into it just before its first step, so the saved weights grow as the gradients are dropped
+    (together one copy of the trainable weights, not two)."""
     for n, p in named.items():
         if p.grad is None:
             continue
+        if saved is not None and n not in saved:
+            saved[n] = p.detach().clone()
         _optimizer({n: p}, {n: copy.deepcopy(state[n])}, opt_cfg).step(lr)
         p.grad = None
 
 
 @contextmanager
 def _scratch_steps(model):
-    """The trainable parameters, by name, and their saved values: steps taken inside move them, and
-    on the way out the weights are restored, the gradients cleared and the train/eval mode reset."""
+    """The trainable parameters, by name, and a dict for their saved values (filled by step_each as
+    each first steps): steps taken inside move them, and on the way out the weights are restored,
+    the gradients cleared and the train/eval mode reset."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    saved = {n: p.detach().clone() for n, p in named.items()}
+    saved: dict[str, torch.Tensor] = {}
     was_training = model.training
     model.train()
     try:
         yield named, saved
     finally:
         with torch.no_grad():
-            for n, p in named.items():
-                p.copy_(saved[n])
+            for n, t in saved.items():
+                named[n].copy_(t)
         model.zero_grad(set_to_none=True)
         model.train(was_training)
 
@@ -232,10 +243,11 @@ def _frozen(model, names):
             p.requires_grad_(True)
 
 
-def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
+def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT, on_update=None) -> dict:
     """One clipped optimizer step of `side` on the probe, on copies: returns the change of the probe
-    logits, each parameter's update and the clip norm; the model's weights are restored and its
-    gradients cleared."""
+    logits (this rank's rows), the squared norm of the logits before and the clip norm; the model's
+    weights are restored and its gradients cleared. on_update(name, update): told each trainable
+    parameter's update in turn (zeros where it did not step), one tensor alive at a time."""
     model = side.model
     whole = [n for n, mask in side.held.items() if mask is None]
     with _frozen(model, whole), _scratch_steps(model) as (named, saved):
@@ -245,17 +257,20 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
             out, loss = _loss(model, inputs_BT, targets_BT)
             before_BTV = out.logits.detach().double()
             loss.backward()
-        sharding.expert_grads_per_rank(named)
+        sharding.probe_grads(named)
         for name, mask in parts.items():
             if named[name].grad is not None:
                 named[name].grad.masked_fill_(mask, 0.0)
-        norm = _scratch_step(named, {n: side.state[n] for n in named}, opt_cfg, lr)
+        norm = _scratch_step(named, {n: side.state[n] for n in named}, opt_cfg, lr, saved)
         with torch.no_grad():
             for name, mask in parts.items():
-                named[name].copy_(torch.where(mask, saved[name], named[name]))
-            updates = {n: (p.detach() - saved[n]) for n, p in named.items()}
+                if name in saved:
+                    named[name].copy_(torch.where(mask, saved[name], named[name]))
+            if on_update is not None:
+                for n, p in named.items():
+                    on_update(n, p.detach() - saved[n] if n in saved else torch.zeros_like(p))
             after_BTV = model(inputs_BT).logits.double()
-        return {"delta_BTV": after_BTV - before_BTV, "updates": updates, "norm": norm, "logits_norm": before_BTV.norm().item()}
+        return {"delta_BTV": after_BTV - before_BTV, "norm": norm, "logits_sq": float(before_BTV.pow(2).sum())}
 
 
 # A zero factor can sit behind several others (deepen's NF4 block: down's B, then gate's B, then
@@ -263,42 +278,55 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT) -> dict:
 TRAINABILITY_STEPS = 3
 
 
-def _scratch_step(named: dict, state: dict, opt_cfg, lr: float) -> float:
+def _scratch_step(named: dict, state: dict, opt_cfg, lr: float, saved: dict) -> float:
     """One clipped step of every parameter from `state` (left as it is), with the gradients in
     .grad; returns the clip norm. A trainability pass steps again from the same state at the moved weights rather than
     from the state its earlier steps would leave, so it holds one tensor's state copy at a time
     (step_each), not a copy of the whole state."""
     norm = sharding.clip_grad_norm(_optimizer(named, state, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
-    step_each(named, state, opt_cfg, lr)
+    step_each(named, state, opt_cfg, lr, saved)
     return norm
 
 
 # ---------------------------------------------------------------- the checks
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((b - a).norm() / a.norm().clamp_min(1e-30)).item()
+def update_mismatch(name: str, du: torch.Tensor, old_updates: dict, provenance, held: dict) -> float | None:
+    """How far a grown parameter's update `du` is from its source's update mapped by the provenance
+    (a β-scaled copy moves β times its source's move), relative, over the elements not held; None
+    where it has no such source. A copy's transform is a collective on expert shards (split and
+    clone move children to their owners): every rank calls this for the same names, in order."""
+    prov = provenance.get(name)
+    if prov is None or prov.kind not in ("carried", "copy") or prov.source not in old_updates or held.get(name, 0) is None:
+        return None
+    ref = old_updates[prov.source]
+    if prov.kind == "copy":
+        beta = prov.beta.to(ref.device) if isinstance(prov.beta, torch.Tensor) else prov.beta
+        ref = prov.transform(ref) * beta
+    keep = ~held[name] if name in held else torch.ones(du.shape, dtype=torch.bool, device=du.device)
+    if not bool(keep.any()) or ref.shape != du.shape:
+        return None
+    return ((du - ref)[keep].double().norm() / ref[keep].double().norm().clamp_min(1e-30)).item()
 
 
-def parameter_mismatch(old_updates: dict, new_updates: dict, provenance, held: dict) -> tuple[str, float] | None:
-    """The grown parameter whose update differs most from its source's update mapped by the
-    provenance (a β-scaled copy moves β times its source's move), over the elements not held."""
+def locate(old: Side, new: Side, opt_cfg, lr: float, probe, provenance) -> tuple[str, float] | None:
+    """Where a failed step comparison went wrong: both steps taken again, the old side's updates
+    kept and the new side's compared with them one tensor at a time as it steps (update_mismatch);
+    the grown parameter furthest off its source's mapped update, over every rank's parameters (rank
+    order breaks ties). Only on failure: a passing check holds no copy of either side's updates."""
+    old_updates: dict[str, torch.Tensor] = {}
     worst = None
-    for name, du in new_updates.items():
-        prov = provenance.get(name)
-        if prov is None or prov.kind not in ("carried", "copy") or prov.source not in old_updates or held.get(name, 0) is None:
-            continue
-        ref = old_updates[prov.source]
-        if prov.kind == "copy":
-            beta = prov.beta.to(ref.device) if isinstance(prov.beta, torch.Tensor) else prov.beta
-            ref = prov.transform(ref) * beta
-        keep = ~held[name] if name in held else torch.ones(du.shape, dtype=torch.bool, device=du.device)
-        if not bool(keep.any()) or ref.shape != du.shape:
-            continue
-        r = ((du - ref)[keep].double().norm() / ref[keep].double().norm().clamp_min(1e-30)).item()
-        if worst is None or r > worst[1]:
+
+    def compare(name: str, du: torch.Tensor) -> None:
+        nonlocal worst
+        r = update_mismatch(name, du, old_updates, provenance, new.held)
+        if r is not None and (worst is None or r > worst[1]):
             worst = (name, r)
-    return worst
+
+    one_step(old, opt_cfg, lr, *probe, on_update=old_updates.__setitem__)
+    one_step(new, opt_cfg, lr, *probe, on_update=compare)
+    candidates = [w for w in sharding.gather_objects(worst) if w is not None]
+    return max(candidates, key=lambda w: w[1]) if candidates else None
 
 
 def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool, cfg, subset: list[str], provenance=None) -> tuple[dict, list[str]]:
@@ -307,13 +335,18 @@ def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool,
     t0 = time.perf_counter()
     a = one_step(old, opt_cfg, lr, inputs_BT, targets_BT)
     b = one_step(new, opt_cfg, lr, inputs_BT, targets_BT)
-    rel = _rel(a["delta_BTV"], b["delta_BTV"])
+    # Every figure over every rank's share of the probe (sharding.probe_share).
+    diff_sq, step_sq, logits_sq = sharding.sum_ranks(
+        float((b["delta_BTV"] - a["delta_BTV"]).pow(2).sum()), float(a["delta_BTV"].pow(2).sum()), a["logits_sq"]
+    )
+    rel = diff_sq**0.5 / max(step_sq**0.5, 1e-30)
+    step_norm = step_sq**0.5
     metrics = {
         "rel_l2": rel,
-        "max_abs_diff": (b["delta_BTV"] - a["delta_BTV"]).abs().max().item(),
-        "step_norm": a["delta_BTV"].norm().item(),  # the size of the ungrown model's step on the probe logits
+        "max_abs_diff": sharding.max_abs(b["delta_BTV"] - a["delta_BTV"]),
+        "step_norm": step_norm,  # the size of the ungrown model's step on the probe logits
         # fp32 rounding of the logits relative to that step: the finest difference the comparison resolves.
-        "resolution": torch.finfo(torch.float32).eps * a["logits_norm"] / max(a["delta_BTV"].norm().item(), 1e-30),
+        "resolution": torch.finfo(torch.float32).eps * logits_sq**0.5 / max(step_norm, 1e-30),
         "lr": lr,
         "clip_norm_before": a["norm"],
         "clip_norm_after": b["norm"],
@@ -322,12 +355,6 @@ def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool,
         "exact": exact,
         "bar": cfg.dynamics_exact_tol if exact else cfg.dynamics_max_rel,
     }
-    worst = parameter_mismatch(a["updates"], b["updates"], provenance, new.held) if provenance is not None else None
-    if provenance is not None:  # on expert shards: the worst over every rank's parameters (rank order breaks ties)
-        candidates = [w for w in sharding.gather_objects(worst) if w is not None]
-        worst = max(candidates, key=lambda w: w[1]) if candidates else None
-    if worst is not None:
-        metrics["worst_parameter"], metrics["worst_parameter_rel"] = worst
     problems = []
     if exact:
         # The difference of two fp32 forwards cannot resolve less than their rounding; at a warmup's
@@ -346,6 +373,9 @@ def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool,
             f"(relative {norm_rel:.3g} > {CLIP_NORM_RTOL:g} for an exact operator): the clip-norm weights (norm_mult) are wrong"
         )
     if not (rel <= limit):
+        worst = locate(old, new, opt_cfg, lr, probe, provenance) if provenance is not None else None
+        if worst is not None:
+            metrics["worst_parameter"], metrics["worst_parameter_rel"] = worst
         where = ""
         if worst is not None:
             block = re.match(r"^blocks\.(\d+)\.", worst[0])
@@ -385,9 +415,9 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
         stepped = 0
         # The later steps are collectives on expert shards: one verdict for every rank.
         if not sharding.all_ranks(all(bool(alive[n][m].all()) for n, m in masks.items())):
-            with _scratch_steps(model) as (named, _):  # the weights restored after
+            with _scratch_steps(model) as (named, saved):  # the weights restored after
                 for _ in range(TRAINABILITY_STEPS):
-                    _scratch_step(named, state, opt_cfg, lr)
+                    _scratch_step(named, state, opt_cfg, lr, saved)
                     loads = see_gradients()
                     idle = {b: idle[b] | (loads[b] == 0) for b in idle}
             stepped = TRAINABILITY_STEPS

@@ -74,14 +74,20 @@ def _keep_route(store, index, moe, module, args, logits_TE) -> None:
 
 
 def function_metrics(before_BTV: torch.Tensor, after_BTV: torch.Tensor, targets_BT: torch.Tensor) -> dict:
+    """Logit and loss changes over the whole probe: on expert shards each rank holds its rows
+    (sharding.probe_share), and every figure is reduced over the ranks."""
     diff = after_BTV - before_BTV
-    loss_before = F.cross_entropy(before_BTV.flatten(0, 1), targets_BT.flatten()).item()
-    loss_after = F.cross_entropy(after_BTV.flatten(0, 1), targets_BT.flatten()).item()
     a, b = before_BTV.flatten(), after_BTV.flatten()
+    ce_before = F.cross_entropy(before_BTV.flatten(0, 1), targets_BT.flatten(), reduction="sum").item()
+    ce_after = F.cross_entropy(after_BTV.flatten(0, 1), targets_BT.flatten(), reduction="sum").item()
+    diff_sq, a_sq, b_sq, dot, ce_before, ce_after, tokens = sharding.sum_ranks(
+        diff.pow(2).sum().item(), a.pow(2).sum().item(), b.pow(2).sum().item(), a.dot(b).item(), ce_before, ce_after, float(targets_BT.numel())
+    )
+    loss_before, loss_after = ce_before / tokens, ce_after / tokens
     return {
-        "max_abs_dlogits": diff.abs().max().item(),
-        "rel_l2": (diff.norm() / a.norm().clamp_min(1e-30)).item(),
-        "cosine": F.cosine_similarity(a, b, dim=0).item(),
+        "max_abs_dlogits": sharding.max_abs(diff),
+        "rel_l2": diff_sq**0.5 / max(a_sq**0.5, 1e-30),
+        "cosine": dot / max(a_sq**0.5 * b_sq**0.5, 1e-8),  # torch's cosine_similarity eps
         "loss_before": loss_before,
         "loss_after": loss_after,
         "rel_dloss": abs(loss_after - loss_before) / max(abs(loss_before), 1e-12),
@@ -98,14 +104,15 @@ def block_pairs(old_model, new_model, growth: Growth) -> dict[int, int]:
 def block_drift(before: Probe, after: Probe, pairs: dict[int, int], view=None) -> dict[str, float]:
     """Relative L2 change of each block's output streams (both concatenated), keyed by new block."""
     view = view or (lambda x: x)
-    drift = {}
+    sums = {}
     for new, old in sorted(pairs.items()):
         if new not in after.streams or old not in before.streams:
             continue
         a = torch.cat(before.streams[old], -1)
         b = torch.cat([view(y) for y in after.streams[new]], -1)
-        drift[str(new)] = ((b - a).norm() / a.norm().clamp_min(1e-30)).item()
-    return drift
+        sums[str(new)] = ((b - a).pow(2).sum().item(), a.pow(2).sum().item())
+    totals = sharding.sum_ranks(*(x for pair in sums.values() for x in pair))  # every rank's probe rows, one reduction
+    return {k: totals[2 * i] ** 0.5 / max(totals[2 * i + 1] ** 0.5, 1e-30) for i, k in enumerate(sums)}
 
 
 def router_pairs(old_model, new_model, growth: Growth, pairs: dict[int, int]) -> dict[int, tuple[int, torch.Tensor | None]]:
@@ -133,8 +140,14 @@ def router_kl(before: Probe, after: Probe, pairs: dict[int, tuple[int, torch.Ten
         q_TE = after.routes_TE[new]
         if parent is not None:
             q_TE = q_TE.new_zeros(p_TE.shape).index_add_(1, parent.to(q_TE.device), q_TE)
-        averaged[str(new)] = max(0.0, _kl(p_TE.mean(0), q_TE.mean(0)).item())
-        per_token[str(new)] = max(0.0, _kl(p_TE, q_TE).mean().item())
+        # Over every rank's probe tokens (sharding.probe_share): the summed distributions, the
+        # summed per-token KL and the token count, in one reduction.
+        E = p_TE.shape[-1]
+        local = torch.cat([p_TE.sum(0), q_TE.sum(0), _kl(p_TE, q_TE).sum().reshape(1), p_TE.new_tensor([p_TE.shape[0]])])
+        total = sharding.sum_tensor(local)
+        tokens = total[-1].clamp_min(1)
+        averaged[str(new)] = max(0.0, _kl(total[:E] / tokens, total[E : 2 * E] / tokens).item())
+        per_token[str(new)] = max(0.0, (total[-2] / tokens).item())
     return averaged, per_token
 
 

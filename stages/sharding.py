@@ -227,14 +227,66 @@ def clip_grad_norm(opt, max_norm: float) -> float:
     return float(clip_grad_norm_([opt.params[n] for n in names], max_norm, weights, sum_tensor))
 
 
-def expert_grads_per_rank(named: dict) -> None:
-    """After a backward of the same batch on every rank: an expert's gradient is the sum of every
-    rank's tokens' contributions (the all-to-all's backward), W times one process's; divided here."""
+def probe_share(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """This rank's rows of the probe batch (inputs and targets [B, T], split as evenly as B goes).
+    Under expert parallelism each rank runs its share of the probe, as it runs its share of a
+    training batch: a check costs a rank B/W of the probe's tokens, and each expert sees each probe
+    token once (the whole probe on every rank sent the experts W copies of it). The checks'
+    figures are then reduced over the ranks (sum_ranks, max_ranks, rel_l2, probe_grads)."""
+    if not _active():
+        return batch
+    ep = current()
+    if batch[0].shape[0] < ep.size:
+        raise ValueError(
+            f"invariance.probe_batch_size {batch[0].shape[0]} is smaller than the {ep.size} expert-parallel ranks: "
+            "each rank runs its share of the probe; set it to at least the number of processes"
+        )
+    return tuple(torch.tensor_split(t, ep.size)[ep.rank] for t in batch)
+
+
+def probe_tokens(local: int) -> float:
+    """Tokens per rank of the probe, on average (the whole probe's in one process): a probe loss
+    summed over this rank's tokens and divided by it has, averaged over the ranks, the mean
+    over the whole probe for its gradient (probe_grads averages)."""
+    if not _active():
+        return float(local)
+    return sum_ranks(float(local))[0] / current().size
+
+
+def probe_grads(named: dict) -> None:
+    """After a backward of each rank's probe share (its loss scaled by probe_tokens): the
+    gradients the whole probe gives in one process, the mean over ranks that training's
+    sync_grads takes of a batch's (distributed.mean_grads), but each dense gradient all-reduced in
+    place: no flat copy of them next to them (growth's peak, at the dynamics check), at the cost of
+    a collective per tensor. As there, a parameter without a gradient on every rank stays without
+    one, and an expert tensor whose experts got no probe token gets zeros (one process's stacked
+    tensor always has its rows' gradient)."""
     if not _active():
         return
     from growtrain.expert_shards import is_expert_tensor
 
     W = current().size
+    dense = [(n, p) for n, p in named.items() if not is_expert_tensor(n)]
+    flags = torch.tensor([float(p.grad is not None) for _, p in dense], device=_device())
+    dist.all_reduce(flags)
+    for (_, p), flag in zip(dense, flags.tolist()):
+        if flag == 0:
+            continue
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        wire = g if g.device == _device() else g.to(_device())
+        dist.all_reduce(wire)
+        p.grad = wire.div_(W).to(p.device)
     for n, p in named.items():
-        if p.grad is not None and is_expert_tensor(n):
-            p.grad.div_(W)
+        if is_expert_tensor(n):
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(W)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||b - a|| / ||a|| over every rank's rows of a probe output (float64)."""
+    num, den = sum_ranks(float((b - a).double().pow(2).sum()), float(a.double().pow(2).sum()))
+    return num**0.5 / max(den**0.5, 1e-30)
+
+
+def max_abs(t: torch.Tensor) -> float:
+    """max |t| over every rank's rows (0 for none)."""
+    return max_ranks(float(t.abs().max()) if t.numel() else 0.0)[0]

@@ -240,8 +240,7 @@ def _layer_function(b: int, modules: list[MoE], steps, exact: list[bool], parent
         scores = moe.scores(moe.router(x_TD).double())
         routes.append(scores / scores.sum(-1, keepdim=True).clamp_min(1e-300))
 
-    def rel(a, c) -> float:
-        return float((c - a).norm() / a.norm().clamp_min(1e-30))
+    rel = sharding.rel_l2  # over every rank's probe rows
 
     def kl(i: int, j: int, parent: torch.Tensor) -> float:
         return router_kl(Probe(torch.empty(0), routes_TE={b: routes[i]}), Probe(torch.empty(0), routes_TE={b: routes[j]}), {b: (b, parent)})[0][str(b)]
@@ -258,7 +257,7 @@ def _layer_function(b: int, modules: list[MoE], steps, exact: list[bool], parent
         if is_exact and not change <= cfg.exact_rel_tol:
             problems.append(f"{where}: the layer's output moved by relative L2 {change:.3g} > {cfg.exact_rel_tol:g} for an exact operator")
     metrics.update(rel_l2=rel(outs[0], outs[-1]), router_kl=kl(0, len(outs) - 1, origin), seconds=time.perf_counter() - t0)
-    if not torch.isfinite(outs[-1]).all():
+    if sharding.any_ranks(not bool(torch.isfinite(outs[-1]).all())):
         problems.append(f"streamed layer check: block {b}: non-finite output of the grown layer on the probe")
     return metrics, problems
 

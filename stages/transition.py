@@ -185,6 +185,7 @@ def apply_growth(
     optimizer_cfg / lr: the run's optimizer and the LR of the new stage's first step, for the
     dynamics check (stages/dynamics.py; defaults: OptimizerConfig() and its lr). log: a callable
     told each streamed layer as it is done (stages/streaming.py), or None."""
+    probe = sharding.probe_share(probe)  # on expert shards each rank checks on its rows of the probe
     inputs_BT, targets_BT = probe
     records = []
     start_model, start_state = model, optimizer_state
@@ -214,6 +215,14 @@ def apply_growth(
         blocks = block_pairs(model, new_model, growth)
         routers = router_pairs(model, new_model, growth, blocks)
         metrics, problems = _function_report(before, after, targets_BT, blocks, growth.stream_view, routers, exact, invariance_cfg)
+        # The block streams are read by the next report only: this unit's old ones, unless the
+        # transition's report compares with them, and with a single unit both sides', are dropped
+        # before the dynamics check (probe-sized: at the 120B recipe, one 64-token row per rank, 36
+        # blocks x 2 streams x 4096 float64, ~0.15 GB per model).
+        if before is not start or len(units) == 1:
+            before.streams.clear()
+        if len(units) == 1:
+            after.streams.clear()
         if problems and growth.notes:  # the operator's own account of what in these weights breaks it
             problems = problems + list(growth.notes)
         planned_here = model.config

@@ -48,7 +48,7 @@ EP_RECIPE = {
         },
     ],
     "checkpoint": {"every_steps": 5, "keep_last": 2},
-    "invariance": {"probe_batch_size": 2, "probe_seq_len": 32},
+    "invariance": {"probe_batch_size": 4, "probe_seq_len": 32},  # a row per rank at EP = 4
     "tracking": {"wandb": {"mode": "disabled"}, "progress_bar": False},
 }
 STEPS = 20

@@ -230,6 +230,9 @@ def test_validate_with_a_world_size_checks_what_a_launch_over_it_needs():
     bad = run_cli("validate", "tiny", "--world-size", "3")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "batch_size 16 does not divide over 3 ranks" in bad.stderr and "32 experts do not divide over 3" in bad.stderr
+    # Growth on expert shards checks each rank on its share of the probe rows: tiny's 4 rows, 8 ranks.
+    few = run_cli("validate", "tiny", "--world-size", "8")
+    assert few.returncode == 2 and "invariance.probe_batch_size 4 is smaller than the 8 ranks" in few.stderr
 
 
 def test_the_af_search_returns_a_best_split_no_worse_than_any_other(big_plan):

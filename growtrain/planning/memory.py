@@ -386,6 +386,11 @@ _FRESH_PROVENANCE_BYTES = 4 + 1
 _FRESH_STATE_BYTES = 4 + 4 + 4
 
 
+# Operators that start a factor at zero next to a non-zero one (LoRA's B, a new block's output
+# projections), so that the trainability pass steps before every new element has a gradient.
+_ZERO_FACTORS = ("deepen", "quantize_experts", "add_dense_lora", "add_heads")
+
+
 def _marks_fresh(step) -> bool:
     args = step.args
     return (step.op == "upcycle_moe" and getattr(args, "drop_ratio", 0) > 0) or (step.op == "clone_experts" and getattr(args, "reinit_fraction", 0) > 0)
@@ -393,8 +398,8 @@ def _marks_fresh(step) -> bool:
 
 def probe_bytes(cfg, batch: int, seq_len: int) -> int:
     """One invariance probe (stages/invariance.Probe), float64: the logits, both output streams of
-    every block and the router distribution of every MoE layer, for the probe batch's tokens (every
-    rank runs the whole probe batch)."""
+    every block and the router distribution of every MoE layer, for `batch` rows (on expert shards
+    a rank's share of the probe batch, stages/sharding.probe_share)."""
     tokens = batch * seq_len
     moe = len(cfg.moe_layers) * cfg.moe.num_experts if cfg.moe is not None else 0
     return 8 * tokens * (cfg.vocab_size + 2 * cfg.n_layers * cfg.d_model + moe)
@@ -408,8 +413,9 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     model (kept for the transition's own check), the current operator's old and new model with
     their state (less the folded experts' state at a later quantize_experts), the new model's
     per-neuron bookkeeping, the checks' working set (the largest of their one-step and
-    trainability passes, see below), and the probes (`probe`: the invariance probe's batch and sequence length): the stage's first, the old and the new model's, plus four logit tensors of
-    the one-step comparison. With `stream` (invariance.stream), a run of split_experts /
+    trainability passes, see below), and the probes (`probe`: the invariance probe's batch and
+    sequence length; each rank runs its share of the rows): the stage's first, the old and the new
+    model's, plus four logit tensors of the one-step comparison. With `stream` (invariance.stream), a run of split_experts /
     clone_experts and the quantize_experts after it are one step, applied one MoE layer at a time
     (stages/streaming.py): the old model and the quantized one are alive whole, each operator's
     fp32 experts for one layer (with their quantized copy and the per-layer checks' copies), the
@@ -435,6 +441,7 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     def expert_weights(c) -> float:
         return sum(t.bytes * share(t) for t in count(c).tensors if t.expert_sharded and t.trainable and t.role == "routed_experts")
 
+    probe = (-(-probe[0] // ranks), probe[1])  # this rank's rows (stages/sharding.probe_share)
     peak, cfg, carried = 0.0, cfg_before, 0.0  # carried: per-neuron state fields of the current model
     start = held(cfg_before)
     j = 0
@@ -456,12 +463,16 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         folded = [t for t in count(cfg).tensors if quantizes and t.trainable and t.role == "routed_experts"]
         old_step = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable) - sum(t.bytes * share(t) for t in folded)
         freed = sum(t.optimizer_bytes * share(t) for t in folded) if j else 0.0
-        # The checks' working set (stages/dynamics.py), the largest of: the old side's step (saved
-        # weights, gradients, updates), the new side's (saved weights and gradients, next to the old
-        # side's updates), the trainability pass (gradients, saved weights, a bool per element);
-        # the optimizer steps one tensor's state copy at a time (step_each).
+        # The checks' working set (stages/dynamics.py), the largest of: either side's step (the
+        # gradients, then the saved weights growing as step_each drops them: one copy of the
+        # stepped weights), the trainability pass (gradients and a bool per new element, and, where
+        # a zero-initialised factor makes it step, the saved weights next to the next gradients);
+        # the optimizer steps one tensor's state copy at a time (step_each), its update and saved
+        # copy one more tensor.
         largest_state = max((t.optimizer_bytes * share(t) for t in new.tensors), default=0.0)
-        work = max(3 * old_step, old_step + 2 * trainable, 2.25 * trainable) + largest_state
+        largest = max((t.bytes * share(t) for t in new.tensors if t.trainable), default=0.0)
+        steps_again = any(s.op in _ZERO_FACTORS for s in unit)
+        work = max(old_step, trainable, (2.25 if steps_again else 1.25) * trainable) + largest_state + 2 * largest
         probes = (probe_bytes(cfg_before, *probe) if j else 0) + probe_bytes(cfg, *probe) + probe_bytes(new_cfg, *probe)
         probes += 4 * 8 * probe[0] * probe[1] * new_cfg.vocab_size
         layer = 0.0
