@@ -111,6 +111,8 @@ def block_drift(before: Probe, after: Probe, pairs: dict[int, int], view=None) -
         a = torch.cat(before.streams[old], -1)
         b = torch.cat([view(y) for y in after.streams[new]], -1)
         sums[str(new)] = ((b - a).pow(2).sum().item(), a.pow(2).sum().item())
+    if not sums:
+        return {}
     totals = sharding.sum_ranks(*(x for pair in sums.values() for x in pair))  # every rank's probe rows, one reduction
     return {k: totals[2 * i] ** 0.5 / max(totals[2 * i + 1] ** 0.5, 1e-30) for i, k in enumerate(sums)}
 
