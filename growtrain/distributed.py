@@ -340,31 +340,39 @@ class Dist:
         self.barrier()
 
 
-def mean_grads(named: dict[str, nn.Parameter], size: int, device: torch.device | None = None) -> None:
+def mean_grads(named: dict[str, nn.Parameter], size: int, device: torch.device | None = None, per_tensor: bool = False) -> None:
     """The gradients' mean over `size` ranks: dense gradients all-reduced, expert gradients (one
     replica each, summed over every rank's tokens by the all-to-all's backward) divided by W.
-    device: where the flags go when there is no dense parameter. The same parameters, in the same
-    order, on every rank (a collective)."""
+    device: where the flags go when there is no dense parameter. per_tensor: each dense gradient
+    all-reduced in place, a collective per tensor, instead of through one flat buffer (growth's
+    checks: no copy of the gradients next to them at growth's peak). The same parameters, in the
+    same order, on every rank (a collective)."""
     dense = [(n, p) for n, p in named.items() if not is_expert_tensor(n)]
-    # One flat buffer, plus a has-gradient flag per tensor, so a parameter without a gradient
-    # on every rank stays without one (as in a single process) instead of turning into zeros.
-    # The flags live where the gradients do: a buffer of another device would make the cat
-    # mix devices; a model off Dist.device is the collective's error (and the guard's) to name.
+    # A has-gradient flag per tensor, so a parameter without a gradient on every rank stays
+    # without one (as in a single process) instead of turning into zeros. The flags live where
+    # the gradients do: a buffer of another device would make the cat mix devices; a model off
+    # Dist.device is the collective's error (and the guard's) to name.
     device = dense[0][1].device if dense else device
-    flat = torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for _, p in dense]
-        + [torch.tensor([float(p.grad is not None) for _, p in dense], device=device)]
-    )
-    dist.all_reduce(flat)
-    flags = flat[-len(dense) :].tolist() if dense else []
-    flat.div_(size)
-    offset = 0
-    # Each gradient a view of the buffer (a copy only where the parameter is not fp32): the
-    # replaced gradients are freed as the loop goes, so the peak holds them once plus the buffer.
-    for (_, p), flag in zip(dense, flags):
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype) if flag > 0 else None
-        offset += n
+    has = torch.tensor([float(p.grad is not None) for _, p in dense], device=device)
+    if per_tensor:
+        dist.all_reduce(has)
+        for (_, p), flag in zip(dense, has.tolist()):
+            if flag > 0:
+                g = torch.zeros_like(p) if p.grad is None else p.grad
+                dist.all_reduce(g)
+                p.grad = g.div_(size)
+    else:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for _, p in dense] + [has])
+        dist.all_reduce(flat)
+        flags = flat[-len(dense) :].tolist() if dense else []
+        flat.div_(size)
+        offset = 0
+        # Each gradient a view of the buffer (a copy only where the parameter is not fp32): the
+        # replaced gradients are freed as the loop goes, so the peak holds them once plus the buffer.
+        for (_, p), flag in zip(dense, flags):
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype) if flag > 0 else None
+            offset += n
     for n, p in named.items():
         if is_expert_tensor(n):
             # A rank whose experts got no token this step has no gradient for them; in one

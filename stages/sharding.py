@@ -256,29 +256,13 @@ def probe_tokens(local: int) -> float:
 def probe_grads(named: dict) -> None:
     """After a backward of each rank's probe share (its loss scaled by probe_tokens): the
     gradients the whole probe gives in one process, the mean over ranks that training's
-    sync_grads takes of a batch's (distributed.mean_grads), but each dense gradient all-reduced in
-    place: no flat copy of them next to them (growth's peak, at the dynamics check), at the cost of
-    a collective per tensor. As there, a parameter without a gradient on every rank stays without
-    one, and an expert tensor whose experts got no probe token gets zeros (one process's stacked
-    tensor always has its rows' gradient)."""
+    sync_grads takes of a batch's (distributed.mean_grads), each dense gradient all-reduced in
+    place so that no flat copy of them sits next to them at growth's peak."""
     if not _active():
         return
-    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.distributed import mean_grads
 
-    W = current().size
-    dense = [(n, p) for n, p in named.items() if not is_expert_tensor(n)]
-    flags = torch.tensor([float(p.grad is not None) for _, p in dense], device=_device())
-    dist.all_reduce(flags)
-    for (_, p), flag in zip(dense, flags.tolist()):
-        if flag == 0:
-            continue
-        g = torch.zeros_like(p) if p.grad is None else p.grad
-        wire = g if g.device == _device() else g.to(_device())
-        dist.all_reduce(wire)
-        p.grad = wire.div_(W).to(p.device)
-    for n, p in named.items():
-        if is_expert_tensor(n):
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(W)
+    mean_grads(named, current().size, _device(), per_tensor=True)
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
