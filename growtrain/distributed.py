@@ -13,7 +13,8 @@ What each rank does differently from a single process:
 - the clip norm is the global one (each rank's owned share of the squared norm, summed);
 - growth runs on the expert shards where every operator of a transition can (stages/sharding.py:
   each rank grows its own experts, children move to their new ranks by all-to-all, the checks'
-  verdicts are taken over all ranks; only the dense optimizer state is gathered); otherwise it
+  verdicts are taken over all ranks; the optimizer state stays sharded, each dense entry mapped
+  and stepped by its ZeRO-1 owner); otherwise it
   gathers the full model and optimizer state on every rank, runs the operators and their checks
   identically everywhere (seeded), and re-shards (see `gather_full`);
 - checkpoints: rank 0 writes the dense state; each rank writes its experts' slices and its
@@ -164,18 +165,7 @@ class Dist:
     # -- parameters and optimizer state ----------------------------------------------------------
 
     def owners(self, named_params: dict[str, nn.Parameter]) -> dict[str, int]:
-        """ZeRO-1 owner of each trainable dense parameter: largest first onto the least-loaded rank
-        (deterministic from names and shapes, so every rank computes the same table)."""
-        dense = sorted(
-            ((n, p.numel()) for n, p in named_params.items() if p.requires_grad and not is_expert_tensor(n)), key=lambda x: (-x[1], x[0])
-        )
-        load = [0] * self.size
-        table = {}
-        for name, numel in dense:
-            r = min(range(self.size), key=lambda i: (load[i], i))
-            table[name] = r
-            load[r] += numel
-        return table
+        return zero1_owners(named_params, self.size)
 
     def owned(self, named_params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
         """What this rank's optimizer steps: its experts and the dense parameters it owns."""
@@ -231,13 +221,6 @@ class Dist:
         cut = (lambda s: s) if experts_sharded else (lambda s: ParamState(**slice_entry(_fields(s), self.rank, self.size)))
         return {n: cut(s) if is_expert_tensor(n) else s for n, s in state.items() if n in owned}
 
-    def replicate_dense_state(self, state: dict) -> dict:
-        """This rank's optimizer state with every dense entry (ZeRO-1: held by its owner alone)
-        on every rank, and its expert entries as they are: what growth on expert shards reads."""
-        if not self.active:
-            return state
-        return self._gather_state(state, experts=False)
-
     @torch.no_grad()
     def gather_full(self, model: nn.Module, state: dict) -> tuple[nn.Module, dict]:
         """The whole model and optimizer state, on every rank. Growth runs on it as in a single
@@ -262,7 +245,7 @@ class Dist:
             p.requires_grad_(name in trainable)
         return grown, self._gather_state(state)
 
-    def _gather_state(self, state: dict, experts: bool = True) -> dict:
+    def _gather_state(self, state: dict) -> dict:
         """Every rank's optimizer state, merged: expert entries concatenated over the ranks, each
         dense entry from the one rank that holds it (its ZeRO-1 owner). No tensor goes through an
         object collective (NCCL would pickle it through the host and unpickle it onto the sender's
@@ -274,9 +257,6 @@ class Dist:
         for name in sorted({n for lay in layouts for n in lay}):
             holders = [r for r, lay in enumerate(layouts) if name in lay]
             expert = is_expert_tensor(name)
-            if expert and not experts:  # each rank keeps its own slice
-                merged[name] = state[name]
-                continue
             if expert and len(holders) != self.size:
                 raise ValueError(f"optimizer state of expert tensor {name} is on ranks {holders} only, not on all {self.size}")
             fields = {}
@@ -338,6 +318,20 @@ class Dist:
             for f in self.error_dir.glob("rank-*.txt"):
                 f.unlink(missing_ok=True)
         self.barrier()
+
+
+def zero1_owners(named_params: dict[str, nn.Parameter], size: int) -> dict[str, int]:
+    """ZeRO-1 owner of each trainable dense parameter over `size` ranks: largest first onto the
+    least-loaded rank (deterministic from names and shapes, so every rank computes the same table;
+    growth on expert shards keeps the dense optimizer state by it, stages/sharding.py)."""
+    dense = sorted(((n, p.numel()) for n, p in named_params.items() if p.requires_grad and not is_expert_tensor(n)), key=lambda x: (-x[1], x[0]))
+    load = [0] * size
+    table = {}
+    for name, numel in dense:
+        r = min(range(size), key=lambda i: (load[i], i))
+        table[name] = r
+        load[r] += numel
+    return table
 
 
 def mean_grads(named: dict[str, nn.Parameter], size: int, device: torch.device | None = None, per_tensor: bool = False) -> None:

@@ -563,11 +563,12 @@ class Run:
         if not self.recipe.invariance.values:
             self.console.write("warning: invariance.values is false: no check of the grown values against their provenance")
         # Under expert parallelism: on the expert shards where every operator of the transition can
-        # (stages/sharding.py; the dense state gathered on every rank), else on the gathered model,
-        # grown identically on every rank and re-sharded.
+        # (stages/sharding.py; the optimizer state stays this rank's share: its experts and the
+        # dense entries it owns), else on the gathered model, grown identically on every rank and
+        # re-sharded.
         on_shards = self.dist.active and all(get_operator(s.op).runs_sharded(s.args) for s in stage.grow)
         if on_shards:
-            model, state = self.model, self.dist.replicate_dense_state(self.optimizer.state)
+            model, state = self.model, self.optimizer.state
         else:
             if self.dist.active:
                 unsharded = [s.op for s in stage.grow if not get_operator(s.op).runs_sharded(s.args)]

@@ -109,7 +109,7 @@ def fresh_masks(model, provenance) -> dict[str, torch.Tensor]:
         if not p.requires_grad or prov is None:
             continue
         if prov.kind in ("new", "reset"):
-            out[name] = torch.ones(p.shape, dtype=torch.bool, device=p.device)
+            out[name] = torch.ones((), dtype=torch.bool, device=p.device).expand(p.shape)  # a view: no byte per element
         elif prov.kind == "copy" and prov.fresh is not None and sharding.any_elements(prov.fresh):
             out[name] = prov.fresh.to(p.device).bool().expand(p.shape)  # a per-neuron mask broadcast (a view)
     return out
@@ -191,20 +191,27 @@ def _optimizer(named, state, opt_cfg):
     return opt
 
 
-def step_each(named: dict, state: dict, opt_cfg, lr: float, saved: dict | None = None) -> None:
+def step_each(named: dict, state: dict, opt_cfg, lr: float, saved: dict | None = None, holders: dict | None = None) -> None:
     """One optimizer step of every parameter with a gradient (already clipped), one tensor at a time,
     each on a copy of its own state, its gradient dropped once it has stepped: what the run's
     optimizer computes when it steps them all (its update is elementwise, per tensor), holding one
     tensor's state copy instead of the whole model's (at the 120B recipe's clone step, per rank:
     ~1 GB, one layer's expert matrix, instead of ~120 GB). saved: a parameter's value is copied
     into it just before its first step, so the saved weights grow as the gradients are dropped
-    (together one copy of the trainable weights, not two)."""
+    (together one copy of the trainable weights, not two). holders (sharding.dense_holders, on
+    expert shards): a dense parameter steps on the rank that holds its state, which then
+    broadcasts the new value."""
     for n, p in named.items():
         if p.grad is None:
             continue
         if saved is not None and n not in saved:
             saved[n] = p.detach().clone()
-        _optimizer({n: p}, {n: copy.deepcopy(state[n])}, opt_cfg).step(lr)
+        if n in state:
+            _optimizer({n: p}, {n: copy.deepcopy(state[n])}, opt_cfg).step(lr)
+        elif holders is None or n not in holders:
+            raise KeyError(f"no optimizer state for {n}")
+        if holders is not None and n in holders:
+            sharding.broadcast_(p, holders[n][0])
         p.grad = None
 
 
@@ -261,7 +268,7 @@ def one_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT, on_update=No
         for name, mask in parts.items():
             if named[name].grad is not None:
                 named[name].grad.masked_fill_(mask, 0.0)
-        norm = _scratch_step(named, {n: side.state[n] for n in named}, opt_cfg, lr, saved)
+        norm = _scratch_step(named, side.state, opt_cfg, lr, saved)
         with torch.no_grad():
             for name, mask in parts.items():
                 if name in saved:
@@ -282,9 +289,13 @@ def _scratch_step(named: dict, state: dict, opt_cfg, lr: float, saved: dict) -> 
     """One clipped step of every parameter from `state` (left as it is), with the gradients in
     .grad; returns the clip norm. A trainability pass steps again from the same state at the moved weights rather than
     from the state its earlier steps would leave, so it holds one tensor's state copy at a time
-    (step_each), not a copy of the whole state."""
-    norm = sharding.clip_grad_norm(_optimizer(named, state, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
-    step_each(named, state, opt_cfg, lr, saved)
+    (step_each), not a copy of the whole state. On expert shards `state` is this rank's share
+    (its experts, the dense entries it owns): the norm is summed over the ranks, and each dense
+    parameter steps where its state is."""
+    mine = {n: p for n, p in named.items() if n in state}
+    holders = sharding.dense_holders({n: state[n] for n in mine})
+    norm = sharding.clip_grad_norm(_optimizer(mine, {n: state[n] for n in mine}, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
+    step_each(named, state, opt_cfg, lr, saved, holders)
     return norm
 
 

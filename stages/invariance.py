@@ -258,15 +258,21 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def optimizer_problems(new_model, state: dict) -> list[str]:
     """Optimizer coverage: every trainable parameter has mapped or declared-fresh state of its own
-    shape, finite, and nothing else has state."""
+    shape, finite, and nothing else has state. On expert shards, of this rank's share: its expert
+    slices and the dense parameters it owns (ZeRO-1), no other dense entry."""
     trainable = {n: p for n, p in new_model.named_parameters() if p.requires_grad}
+    owners = sharding.dense_owners(new_model)  # on expert shards: this rank's share (ZeRO-1)
+    here = {n for n in trainable if sharding.holds(n, owners)}
     problems = []
-    missing = sorted(set(trainable) - set(state))
+    missing = sorted(here - set(state))
     if missing:
         problems.append(f"{len(missing)} trainable parameter(s) have no optimizer state: {missing[:4]}")
     stray = sorted(set(state) - set(trainable))
     if stray:
         problems.append(f"optimizer state for parameters the grown model does not train: {stray[:4]}")
+    elsewhere = sorted(set(state) - here - set(stray))
+    if elsewhere:
+        problems.append(f"optimizer state on rank {sharding.current().rank} for dense parameters another rank owns: {elsewhere[:4]}")
     misshaped, nonfinite = [], []
     for name, p in trainable.items():
         s = state.get(name)

@@ -16,7 +16,10 @@ the full replicated rest, and the operator asks this module where it is:
   its global index, so a grown model is the same whatever the EP size;
 - the checks' reductions (`sum_ranks`, `any_ranks`, `union_ranks`, ...): verdicts and counts
   taken over all ranks, so that every rank reaches the same verdict (a rank that stopped alone
-  would leave the others waiting in a collective).
+  would leave the others waiting in a collective);
+- the dense optimizer state as training keeps it, each entry on its ZeRO-1 owner only
+  (`dense_owners`, `dense_holders`, `fetch_state`): growth maps an entry on its new owner, and the
+  checks' optimizer steps step it there and broadcast the result (`broadcast_`).
 Outside `sharded(...)` every helper is the single-process identity.
 
 Legend: E experts of a layer before growth, L = E / W local experts, m children per parent,
@@ -213,18 +216,105 @@ def count_parameters(model) -> int:
 
 
 def clip_grad_norm(opt, max_norm: float) -> float:
-    """`opt.clip_grad_norm(max_norm)` of a model on expert shards whose replicated parameters have
-    the same gradient on every rank: the global norm counts those once and every rank's expert
-    shards (their squares weighted 1/W, then summed over the ranks)."""
+    """`opt.clip_grad_norm(max_norm)` of a model on expert shards, `opt` over this rank's share:
+    its expert shards and the dense parameters whose ZeRO-1 state it holds (their gradients are the
+    same on every rank). Each element's squared gradient is counted once: summed over the ranks."""
     if not _active():
         return opt.clip_grad_norm(max_norm)
-    from growtrain.expert_shards import is_expert_tensor
     from growtrain.optim import clip_grad_norm_
 
-    W = current().size
     names, stored = list(opt.params), opt._stored()
-    weights = [stored[n].norm_mult if is_expert_tensor(n) else stored[n].norm_mult / W for n in names]
-    return float(clip_grad_norm_([opt.params[n] for n in names], max_norm, weights, sum_tensor))
+    return float(clip_grad_norm_([opt.params[n] for n in names], max_norm, [stored[n].norm_mult for n in names], sum_tensor))
+
+
+# ---------------------------------------------------------------- dense optimizer state (ZeRO-1)
+#
+# On expert shards the dense parameters' optimizer state stays where training keeps it: each entry
+# on its ZeRO-1 owner alone (distributed.zero1_owners over the current model), not on every rank.
+# Growth maps an entry on the rank that owns its target, moving a source that another rank holds
+# by one broadcast (one tensor's state in flight at a time); the checks' optimizer steps step a
+# dense parameter on its holder and broadcast its new value. Every rank makes these calls for the
+# same names in the same order: the tables below are the same on every rank.
+
+
+def dense_owners(model) -> dict[str, int] | None:
+    """The ZeRO-1 owner of each trainable dense parameter of `model`; None outside expert shards
+    (every entry is local)."""
+    if not _active():
+        return None
+    from growtrain.distributed import zero1_owners
+
+    return zero1_owners(dict(model.named_parameters()), current().size)
+
+
+def holds(name: str, owners: dict[str, int] | None) -> bool:
+    """Whether this rank keeps the optimizer state of parameter `name` (owners: dense_owners)."""
+    from growtrain.expert_shards import is_expert_tensor
+
+    return owners is None or is_expert_tensor(name) or owners.get(name) == current().rank
+
+
+def dense_holders(state) -> dict[str, tuple[int, dict]] | None:
+    """Which rank holds each dense entry of a ZeRO-1 optimizer state, with its fields' layouts
+    (what a receiver allocates): one object all-gather of names, shapes and dtypes, no tensor.
+    None outside expert shards."""
+    if not _active():
+        return None
+    from growtrain.distributed import _STATE_FIELDS, _layout
+    from growtrain.expert_shards import is_expert_tensor
+
+    mine = {n: {k: _layout(getattr(s, k)) for k in _STATE_FIELDS} for n, s in state.items() if not is_expert_tensor(n)}
+    table: dict[str, tuple[int, dict]] = {}
+    for rank, held in enumerate(gather_objects(mine)):
+        for name, layout in held.items():
+            if name in table:
+                raise ValueError(f"optimizer state of dense parameter {name} is on ranks {table[name][0]} and {rank}: ZeRO-1 keeps one")
+            table[name] = (rank, layout)
+    return table
+
+
+def fetch_state(state, name: str, holders: dict[str, tuple[int, dict]]):
+    """Dense entry `name` on every rank, broadcast from the rank that holds it (a collective)."""
+    from growtrain.distributed import _STATE_FIELDS, _TensorLayout
+    from growtrain.optim import ParamState
+
+    if name not in holders:
+        raise KeyError(f"no rank holds optimizer state for {name}")
+    src, layout = holders[name]
+    fields = {}
+    for k in _STATE_FIELDS:
+        lay = layout[k]
+        if not isinstance(lay, _TensorLayout):
+            fields[k] = lay  # a Python number: it came with the layout
+            continue
+        if current().rank == src:
+            buf = getattr(state[name], k).detach().to(_device()).clone()
+        else:
+            buf = torch.empty(lay.shape, dtype=lay.dtype, device=_device())
+        dist.broadcast(buf, src=src)
+        fields[k] = buf
+    return ParamState(**fields)
+
+
+def broadcast_(t: torch.Tensor, src: int) -> None:
+    """`t` overwritten in place with rank `src`'s values (a collective)."""
+    if not _active():
+        return
+    wire = t.detach() if t.device == _device() else t.detach().to(_device())
+    dist.broadcast(wire, src=src)
+    if wire is not t:
+        t.detach().copy_(wire)
+
+
+@contextmanager
+def rank_local():
+    """The block runs as in one process: no reduction over ranks (work only some ranks do, on a
+    replicated parameter, such as mapping a dense entry on its owner)."""
+    token = _EP.set(None)
+    try:
+        yield
+    finally:
+        _EP.reset(token)
 
 
 def probe_share(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

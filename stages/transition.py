@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from growtrain.expert_shards import is_expert_tensor
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.optim import OptimizerConfig, ParamState, decays
@@ -71,19 +72,52 @@ def plan_stage_models(seed: ModelConfig, grows) -> list[ModelConfig]:
 def map_optimizer_state(old: dict[str, ParamState], model, provenance: dict[str, Provenance]) -> dict[str, ParamState]:
     """DESIGN.md §7: carried state stays; a β-scaled copy among copies summing to S gets m/S, v/S²,
     LR ×β, weight decay ×1/β, epsilon ×1/S, clip-norm weight ×S·β and the same step count; new
-    parameters, and the new elements a copy marks fresh, start fresh with their own step count."""
+    parameters, and the new elements a copy marks fresh, start fresh with their own step count.
+
+    On expert shards (stages/sharding.py) `old` is this rank's share, as training keeps it: its
+    expert slices and the dense entries it owns (ZeRO-1); so is the result, by the grown model's
+    owners. A dense entry is mapped on its new owner alone (no reduction over ranks), its source
+    broadcast from the rank that holds it where that is another rank; an expert slice built from
+    a dense source (upcycling) gets the source by a broadcast on every rank. One entry's state is in
+    flight at a time."""
+    holders = sharding.dense_holders(old)  # None in one process: every entry is here
+    owners = sharding.dense_owners(model)
     new: dict[str, ParamState] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         prov = provenance[name]
-        if prov.kind == "carried":
-            new[name] = old[prov.source]
-        elif prov.kind == "copy":
-            new[name] = _mapped_copy(old[prov.source], prov, p, decays(name, p))
-        else:
+        keep = sharding.holds(name, owners)
+        if prov.kind in ("carried", "copy"):
+            source = _source_state(old, prov.source, holders, None if owners is None or is_expert_tensor(name) else owners[name])
+            if source is None:  # another rank owns this entry
+                continue
+            if prov.kind == "carried":
+                new[name] = source
+            elif is_expert_tensor(name):
+                new[name] = _mapped_copy(source, prov, p, decays(name, p))  # its collectives run on every rank
+            else:
+                with sharding.rank_local():  # on the owner alone: the replicated provenance needs no reduction
+                    new[name] = _mapped_copy(source, prov, p, decays(name, p))
+        elif keep:
             new[name] = ParamState.fresh(p, decays(name, p))
     return new
+
+
+def _source_state(old, source: str, holders, dst: int | None):
+    """The old entry `source` where it is needed: on rank `dst` (a dense target's owner), or on every
+    rank (dst None: an expert target); None elsewhere. Moved by a broadcast from its holder where
+    some rank that needs it lacks it (the same decision on every rank: the tables are global)."""
+    if holders is None or is_expert_tensor(source):
+        return old[source]
+    if source not in holders:
+        raise KeyError(f"no rank holds optimizer state for {source}")
+    src = holders[source][0]
+    rank = sharding.current().rank
+    if dst == src:
+        return old[source] if rank == src else None
+    moved = sharding.fetch_state(old, source, holders)
+    return moved if dst is None or rank == dst else None
 
 
 def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool) -> ParamState:

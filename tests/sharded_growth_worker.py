@@ -2,7 +2,8 @@
 trained two steps, its experts and their optimizer state sharded over the ranks, grown on the
 shards by a list of operators (stages/sharding.py) with every check on. Each rank writes
 rank-R.json under argv[1]: the growth records (or the failed one), its verdict, its grown expert
-tensors and the mapped optimizer state of one expert tensor.
+tensors and dense tensors, and the optimizer state it holds (its expert slices, the dense
+entries it owns).
 
 argv[2]: the operators, JSON [[name, {args}], ...]; argv[3]: a mutation ("none"; "local_layout":
 split and clone leave their children in the local order instead of moving them to their owners;
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from growtrain import collective_guard
+from growtrain.distributed import zero1_owners
 from growtrain.expert_shards import is_expert_tensor, slice_entry
 from growtrain.model import GrowLM, ModelConfig
 from growtrain.model.config import MoEConfig
@@ -68,7 +70,9 @@ def main(out: str, ops_json: str, mutation: str) -> None:
     ep = EPGroup(rank, W) if W > 1 else None
     if ep is not None:
         shard_experts(model, ep)
-        state = {n: ParamState(**slice_entry(vars(s), rank, W)) if is_expert_tensor(n) else s for n, s in state.items()}
+        # As training keeps it: each rank its experts' slices and the dense entries it owns (ZeRO-1).
+        owners = zero1_owners(dict(model.named_parameters()), W)
+        state = {n: ParamState(**slice_entry(vars(s), rank, W)) if is_expert_tensor(n) else s for n, s in state.items() if is_expert_tensor(n) or owners[n] == rank}
     if mutation == "local_layout":
         import growtrain.stages.operators.experts as experts
 
@@ -95,10 +99,10 @@ def main(out: str, ops_json: str, mutation: str) -> None:
         grown = outcome.model
         report["experts"] = {n: t.tolist() for n, t in grown.state_dict().items() if is_expert_tensor(n) and t.is_floating_point()}
         report["dense"] = {n: t.tolist() for n, t in grown.state_dict().items() if not is_expert_tensor(n) and t.is_floating_point()}
+        report["owners"] = zero1_owners(dict(grown.named_parameters()), W)
         report["state"] = {
             n: {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in vars(s).items()}
             for n, s in outcome.optimizer_state.items()
-            if is_expert_tensor(n)
         }
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank-{rank}.json").write_text(json.dumps(report, default=str))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import REPO, cli_env
+from growtrain.expert_shards import is_expert_tensor
 from growtrain.stages import sharding
 from growtrain.stages.streaming import stream_length
 
@@ -100,13 +101,33 @@ def assert_same_growth(ranks: list[dict], one: dict) -> None:
         assert torch.equal(torch.tensor([row for r in ranks for row in r["experts"][name]]), torch.tensor(full)), name
     for name, full in one["dense"].items():
         assert all(torch.equal(torch.tensor(r["dense"][name]), torch.tensor(full)) for r in ranks), name
-    for name, fields in one["state"].items():
+    assert_same_state(merged_state(ranks), one["state"])
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    """Bit for bit, field by field."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for name, fields in want.items():
         for k, v in fields.items():
-            if isinstance(v, list):
-                got = torch.tensor([row for r in ranks for row in r["state"][name][k]])
-                assert torch.equal(got, torch.tensor(v)), f"optimizer state {name}.{k}"
-            else:
-                assert all(r["state"][name][k] == v for r in ranks), f"optimizer state {name}.{k}"
+            assert got[name][k] == v, f"optimizer state {name}.{k}"
+
+
+def merged_state(ranks: list[dict]) -> dict:
+    """The optimizer state of every rank's share, as one process holds it: expert entries' tensor
+    fields concatenated in rank order (their numbers shared), each dense entry from the one rank
+    that holds it (its ZeRO-1 owner after growth, as training keeps it)."""
+    merged = {}
+    for name in sorted({n for r in ranks for n in r["state"]}):
+        holders = [r for r in ranks if name in r["state"]]
+        if is_expert_tensor(name):
+            assert len(holders) == len(ranks), f"{name}: expert state on {len(holders)} of {len(ranks)} ranks"
+            fields = holders[0]["state"][name]
+            merged[name] = {k: [row for r in holders for row in r["state"][name][k]] if isinstance(v, list) else v for k, v in fields.items()}
+            assert all(r["state"][name][k] == v for r in holders for k, v in fields.items() if not isinstance(v, list)), name
+        else:
+            assert [r["rank"] for r in holders] == [ranks[0]["owners"][name]], f"{name}: dense state on ranks {[r['rank'] for r in holders]}"
+            merged[name] = holders[0]["state"][name]
+    return merged
 
 
 # EP 4 (one expert per rank before the split) for the experts transition; EP 2 for the others.
@@ -139,11 +160,7 @@ def test_the_streamed_experts_transition_grows_the_whole_paths_model_and_state(t
         for name, full in whole[key].items():
             got = [row for r in streamed for row in r[key][name]] if key == "experts" else streamed[0][key][name]
             assert torch.equal(torch.tensor(got), torch.tensor(full)), name
-    assert set(streamed[0]["state"]) == set(whole["state"])
-    for name, fields in whole["state"].items():
-        for k, v in fields.items():
-            got = [row for r in streamed for row in r["state"][name][k]] if isinstance(v, list) else streamed[0]["state"][name][k]
-            assert got == v, f"optimizer state {name}.{k}"
+    assert_same_state(merged_state(streamed), whole["state"])
 
 
 def failed_alike(ranks: list[dict], operator: str) -> list[str]:

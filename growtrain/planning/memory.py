@@ -409,7 +409,8 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     """Peak bytes one of `ranks` expert-parallel processes holds while a stage's growth runs
     (stages/transition.py). Where every operator of the stage grows expert shards
     (stages/sharding.py), a rank holds its E/W experts of every model alive at once and the whole
-    dense part, with the dense optimizer state gathered from its ZeRO-1 owners: the stage's first
+    dense part, with its share of the optimizer state as training keeps it (its experts', and the
+    dense entries it owns by ZeRO-1; a dense entry another rank needs travels alone): the stage's first
     model (kept for the transition's own check), the current operator's old and new model with
     their state (less the folded experts' state at a later quantize_experts), the new model's
     per-neuron bookkeeping, the checks' working set (the largest of their one-step and
@@ -435,8 +436,8 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     def share(t) -> float:
         return 1.0 / ranks if t.expert_sharded else 1.0
 
-    def held(c) -> float:
-        return sum((t.bytes + t.optimizer_bytes) * share(t) for t in count(c).tensors)
+    def held(c) -> float:  # the optimizer state is sharded whole: experts by expert, dense entries by ZeRO-1 owner
+        return sum(t.bytes * share(t) + t.optimizer_bytes / ranks for t in count(c).tensors)
 
     def expert_weights(c) -> float:
         return sum(t.bytes * share(t) for t in count(c).tensors if t.expert_sharded and t.trainable and t.role == "routed_experts")
