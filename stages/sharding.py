@@ -306,15 +306,10 @@ def broadcast_(t: torch.Tensor, src: int) -> None:
         t.detach().copy_(wire)
 
 
-@contextmanager
 def rank_local():
     """The block runs as in one process: no reduction over ranks (work only some ranks do, on a
     replicated parameter, such as mapping a dense entry on its owner)."""
-    token = _EP.set(None)
-    try:
-        yield
-    finally:
-        _EP.reset(token)
+    return sharded(None)
 
 
 def probe_share(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
