@@ -4,7 +4,8 @@
 #      kernel, producer and consumer running concurrently on two streams);
 #   2. benchmarks/kernels.py --json once, then its table (its targets gate the exit code);
 #   3-5. benchmarks/gpu_train_checks.py: the shortened tiny recipe trained on cuda (Triton backend):
-#      growth checks, losses vs a CPU fp32 run, kill -9 + resume; peak memory per stage vs the plan;
+#      growth checks, losses vs a CPU fp32 run, kill -9 + resume, growth on the host (train.grow_on)
+#      vs on the GPU; peak memory per stage vs the plan;
 #      host syncs per step under torch.cuda.set_sync_debug_mode;
 #   6. with 2+ GPUs: a short torchrun run (NCCL, expert parallelism, overlapped combine).
 # `--cpu`: parts 3-5 only, on the CPU with the reference backend (CI runs this form, so the script
@@ -58,7 +59,7 @@ fi
 
 DEVICE=cuda
 [ "$CPU" -eq 1 ] && DEVICE=cpu
-timeout 240 "$PY" benchmarks/gpu_train_checks.py --device "$DEVICE" --out "$OUT/train" 2>&1 | tee "$OUT/train_checks.txt"
+timeout 300 "$PY" benchmarks/gpu_train_checks.py --device "$DEVICE" --out "$OUT/train" 2>&1 | tee "$OUT/train_checks.txt"
 RC[3_5_training]=${PIPESTATUS[0]}
 
 if [ "$CPU" -eq 0 ]; then

@@ -3,7 +3,10 @@
 3. the tiny recipe (shortened) trained on the device with `train.expert_backend: auto` (Triton on
    CUDA): every growth check passes; its losses follow a CPU fp32 run of the same recipe within
    LOSS_BAR (relative) over the first COMPARE_STEPS steps; killed once with kill -9 mid-run and
-   resumed, it repeats the uninterrupted device run's losses exactly;
+   resumed, it repeats the uninterrupted device run's losses exactly; grown on the host
+   (`train.grow_on: host`: model and optimizer state moved to host memory for each growth and
+   back), its growth checks pass and its losses follow the device-grown run's within LOSS_BAR
+   at every step (whether they are bit-equal is reported);
 4. CUDA only: torch.cuda.max_memory_allocated per stage against `growtrain plan` for the same
    recipe on one GPU of the matching preset (ratio reported, within +-25%);
 5. host syncs per training step: on CUDA counted by torch.cuda.set_sync_debug_mode("warn"), on the
@@ -61,8 +64,8 @@ def env(**extra) -> dict:
     return e
 
 
-def train(out: Path, device: str, backend: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "growtrain", "run", "tiny", "--out", str(out), *recipe_sets(device, backend)]
+def train(out: Path, device: str, backend: str, fault: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "growtrain", "run", "tiny", "--out", str(out), *recipe_sets(device, backend), *extra]
     return subprocess.run(cmd, cwd=REPO, env=env(**({"GROWTRAIN_FAULT": fault} if fault else {})), capture_output=True, text=True, timeout=900)
 
 
@@ -102,9 +105,23 @@ def part3(out: Path, device: str) -> dict:
         diffs = [abs(c[s] - b[s]) for s in b]
         res["resume_max_abs_loss_diff"] = max(diffs)
         res["resume_bitwise"] = c == b
+    host_ok = True
+    if device != "cpu":  # on the CPU the host is the device (tests/test_growth_placement.py runs that path)
+        host = train(out / "grown_on_host", device, backend, extra=("--set", "train.grow_on=host"))
+        res["host_growth_rc"] = host.returncode
+        if host.returncode == 0:
+            h = losses(out / "grown_on_host")
+            res["host_growth_logged"] = host.stdout.count(": on the host (train.grow_on: host")
+            res["host_growth_checks"] = "passed" if "growth check failed" not in host.stdout else "failed"
+            res["host_vs_device_max_rel_loss_diff"] = max(abs(h[s] - b[s]) / abs(b[s]) for s in b)
+            res["host_vs_device_bitwise"] = h == b
+            host_ok = res["host_growth_checks"] == "passed" and res["host_growth_logged"] >= 3 and res["host_vs_device_max_rel_loss_diff"] <= LOSS_BAR
+        else:
+            res["host_growth_error"] = host.stderr[-1500:]
+            host_ok = False
     res["ok"] = (
         res["growth_checks"] == "passed" and (device == "cpu" or res["max_rel_loss_diff_first_steps"] <= LOSS_BAR) and killed.returncode == -signal.SIGKILL
-        and res["resumed"] and res.get("resume_bitwise", False)
+        and res["resumed"] and res.get("resume_bitwise", False) and host_ok
     )
     return res
 

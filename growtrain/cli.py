@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "built on the meta device (exact parameter counts by role, active parameters per token, bytes of weights "
                        "by storage, gradients and optimizer state), activations and buffers are modelled, and a roofline gives "
                        "step time, MFU and tokens/s. For the last stage, every split of the GPUs into attention and expert ranks "
-                       "(attention/expert disaggregation) is compared with the co-located expert-parallel layout. Exit 1 if a "
-                       "stage does not fit with 10% headroom.")
+                       "(attention/expert disaggregation) is compared with the co-located expert-parallel layout. Growth's peak per "
+                       "rank is placed where train.grow_on: auto runs it (the GPU, or the host when over the GPU's budget). Exit 1 "
+                       "if a stage, or its growth, does not fit with 10% headroom.")
     p.add_argument("recipe", type=Path, help="recipe YAML file")
     p.add_argument("--hardware", default="h100-80gb", metavar="PRESET",
                    help="a100-80gb, h100-80gb (default), h200-141gb or b200 (vendor datasheet figures)")
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvlink-gbps", type=float, default=None, help="override the NVLink bandwidth, GB/s per GPU and direction")
     p.add_argument("--nic-gbps", type=float, default=None, help="override the inter-node bandwidth, GB/s per GPU and direction")
     p.add_argument("--capacity-gb", type=float, default=None, help="override the memory per GPU, GB (1e9 bytes)")
+    p.add_argument("--host-memory-gb", type=float, default=None,
+                   help="override the node's host memory, GB (default 2000, a DGX's): where growth over the GPU's memory runs")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe field")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -370,6 +373,7 @@ def cmd_plan(args) -> int:
     hw = get_hardware(
         args.hardware, gpus_per_node=args.gpus, nodes=args.nodes, peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps,
         nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps, capacity_gb=args.capacity_gb,
+        host_memory_gb=args.host_memory_gb,
     )
     result = plan_recipe(load_recipe(args.recipe, args.overrides), hw)
     print(json.dumps(result.to_dict()) if args.json else format_plan(result))

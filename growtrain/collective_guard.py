@@ -11,7 +11,11 @@ expected one, when
 - an object handed to an *_object collective holds a tensor: it is pickled, which under NCCL is a
   device-to-host copy and a host sync on the sender, and the receiver unpickles it onto the
   sender's device (rank 0's GPU). Objects that are not tensors (a path, a layout) are fine;
-- an *_object collective is told to stage its bytes on another `device=`.
+- an *_object collective is told to stage its bytes on another `device=`;
+- while growth runs on the host (`only_in(group)`, the trainer's gloo group under NCCL), a
+  collective in any other group, the default one included: under NCCL the default group takes
+  CUDA tensors, and the host holds none then. A group's own device is `register_group`'s
+  (cpu for that gloo group), so the first rule checks its calls against that.
 
 A CPU run cannot hold a CUDA tensor, so the first rule alone cannot see code that would put a
 CPU-made tensor next to a CUDA one on the node: that part is `factory_calls_without_device`, a
@@ -24,6 +28,7 @@ Off (the default) nothing is wrapped: no cost at all.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -71,7 +76,9 @@ OBJECT_OPS = {
 # of the object collectives (their staging tensors) are checked too.
 _MODULES = (dist, c10d)
 _originals: dict[str, object] = {}
-_expected: torch.device | None = None
+_expected: torch.device | None = None  # the default group's device
+_group_devices: dict[int, torch.device] = {}  # id(process group) -> its device, for the other groups
+_only: list = []  # while growth runs on the host: the one group every collective must run in
 
 
 class CollectiveRuleError(ValueError):
@@ -108,6 +115,31 @@ def install(device: torch.device | str) -> None:
                 setattr(module, name, wrapper)
 
 
+def register_group(group, device: torch.device | str) -> None:
+    """Collectives in `group` (not the default group) take tensors on `device`."""
+    _group_devices[id(group)] = torch.device(device)
+
+
+@contextlib.contextmanager
+def only_in(group):
+    """Inside, a collective in any group but `group` fails (when the checks are installed)."""
+    _only.append(group)
+    try:
+        yield
+    finally:
+        _only.pop()
+
+
+def _call_group(name: str, arguments: dict):
+    """The process group a call runs in (None: the default group)."""
+    if name == "batch_isend_irecv":
+        groups = {id(op.group): op.group for op in arguments.get("p2p_op_list") or [] if isinstance(op, dist.P2POp)}
+        group = next(iter(groups.values()), None) if len(groups) == 1 else None
+    else:
+        group = arguments.get("group")
+    return None if group is None or group is dist.group.WORLD else group
+
+
 def install_from_env(device: torch.device | str) -> bool:
     """`install(device)` if GROWTRAIN_CHECK_COLLECTIVES is set; says so on stderr, once per rank
     (the tests look for that line to know every rank ran checked)."""
@@ -128,6 +160,7 @@ def uninstall() -> None:
             if hasattr(module, name):
                 setattr(module, name, original)
     _originals.clear()
+    _group_devices.clear()
     _expected = None
 
 
@@ -141,13 +174,21 @@ def _wrap(name: str, original):
             bound = signature.bind(*args, **kwargs)
         except TypeError:
             return original(*args, **kwargs)  # let torch say what is wrong with the call itself
+        group = _call_group(name, bound.arguments)
+        if _only and group is not _only[-1]:
+            raise CollectiveRuleError(
+                f"{name} runs in {'the default' if group is None else 'another'} process group while growth runs on the host: "
+                f"every collective of that growth must go through its gloo group (under NCCL the default group takes CUDA "
+                f"tensors only, and the host holds them all then): pass the EP group's `group`"
+            )
+        expected = _expected if group is None else _group_devices.get(id(group), _expected)
         if objects is None:
-            check_tensors(name, bound.arguments, _expected)
+            check_tensors(name, bound.arguments, expected)
         else:
-            check_objects(name, {k: bound.arguments[k] for k in objects if k in bound.arguments}, _expected)
+            check_objects(name, {k: bound.arguments[k] for k in objects if k in bound.arguments}, expected)
             device = bound.arguments.get("device")
-            if device is not None and torch.device(device) != _expected:
-                raise CollectiveRuleError(f"{name}: device={torch.device(device)}, but this process group's collectives run on {_expected} (Dist.device)")
+            if device is not None and torch.device(device) != expected:
+                raise CollectiveRuleError(f"{name}: device={torch.device(device)}, but this process group's collectives run on {expected} (Dist.device)")
         return original(*args, **kwargs)
 
     return checked

@@ -81,6 +81,8 @@ class Dist:
     def __init__(self, rank: int = 0, size: int = 1, combine: str = "overlapped"):
         self.rank, self.size = rank, size
         self.ep = EPGroup(rank, size, combine) if size > 1 else None
+        self._host_ep: EPGroup | None = None  # growth on the host's group, made at its first use
+        self.timeout: datetime.timedelta | None = None  # distributed.timeout_s, for groups made later
         self.error_dir: Path | None = None
         self.owner_table: dict[str, int] = {}  # of the current model, set by owned()
         # Where collectives' own tensors live: NCCL takes CUDA tensors only.
@@ -101,6 +103,7 @@ class Dist:
         if threading_main():
             signal.signal(signal.SIGTERM, _raise_peer_failed)
         d = cls(dist.get_rank(), dist.get_world_size(), cfg.combine)
+        d.timeout = datetime.timedelta(seconds=cfg.timeout_s)
         collective_guard.install_from_env(d.device)  # GROWTRAIN_CHECK_COLLECTIVES=1: NCCL's rules on any backend
         return d
 
@@ -157,6 +160,24 @@ class Dist:
         every: list = [None] * self.size
         dist.all_gather_object(every, list(mine))  # strings only: NCCL-safe
         return list(dict.fromkeys(p for problems in every for p in problems))  # sizes are checked by all
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (a collective): a choice every rank must make alike."""
+        if not self.active:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def host_ep(self) -> EPGroup:
+        """The expert-parallel group of growth on the host: the same ranks in a gloo group, whose
+        collectives take CPU tensors (NCCL's take CUDA tensors only). Made at its first use, by
+        every rank (a collective)."""
+        if self._host_ep is None:
+            group = dist.new_group(backend="gloo", timeout=self.timeout)
+            collective_guard.register_group(group, "cpu")
+            self._host_ep = EPGroup(self.rank, self.size, self.ep.combine, group=group)
+        return self._host_ep
 
     def barrier(self) -> None:
         if self.active:
@@ -334,13 +355,13 @@ def zero1_owners(named_params: dict[str, nn.Parameter], size: int) -> dict[str, 
     return table
 
 
-def mean_grads(named: dict[str, nn.Parameter], size: int, device: torch.device | None = None, per_tensor: bool = False) -> None:
+def mean_grads(named: dict[str, nn.Parameter], size: int, device: torch.device | None = None, per_tensor: bool = False, group=None) -> None:
     """The gradients' mean over `size` ranks: dense gradients all-reduced, expert gradients (one
     replica each, summed over every rank's tokens by the all-to-all's backward) divided by W.
     device: where the flags go when there is no dense parameter. per_tensor: each dense gradient
     all-reduced in place, a collective per tensor, instead of through one flat buffer (growth's
     checks: no copy of the gradients next to them at growth's peak). The same parameters, in the
-    same order, on every rank (a collective)."""
+    same order, on every rank (a collective; in `group`, else the default group)."""
     dense = [(n, p) for n, p in named.items() if not is_expert_tensor(n)]
     # A has-gradient flag per tensor, so a parameter without a gradient on every rank stays
     # without one (as in a single process) instead of turning into zeros. The flags live where
@@ -349,15 +370,15 @@ def mean_grads(named: dict[str, nn.Parameter], size: int, device: torch.device |
     device = dense[0][1].device if dense else device
     has = torch.tensor([float(p.grad is not None) for _, p in dense], device=device)
     if per_tensor:
-        dist.all_reduce(has)
+        dist.all_reduce(has, group=group)
         for (_, p), flag in zip(dense, has.tolist()):
             if flag > 0:
                 g = torch.zeros_like(p) if p.grad is None else p.grad
-                dist.all_reduce(g)
+                dist.all_reduce(g, group=group)
                 p.grad = g.div_(size)
     else:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for _, p in dense] + [has])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         flags = flat[-len(dense) :].tolist() if dense else []
         flat.div_(size)
         offset = 0

@@ -3,8 +3,9 @@
 `GROWTRAIN_FAULT=point:n` kills the process with SIGKILL the n-th time (1-based) execution passes
 `maybe_fault(point)`; `point:n:raise` raises a RuntimeError there instead (a rank's own error), and
 `point:n:hang` sleeps there for good (a stuck rank). Points used: `step_mid` (between backward and optimizer step),
-`checkpoint_mid` (some checkpoint files written, manifest not yet), `after_transition` (growth
-applied, nothing saved yet), `prepare_shard` (prepare-data: a shard finished, no manifest yet).
+`checkpoint_mid` (some checkpoint files written, manifest not yet), `growth_mid` (an operator
+of a transition applied and checked, the next not yet), `after_transition` (growth applied,
+nothing saved yet), `prepare_shard` (prepare-data: a shard finished, no manifest yet).
 Under torchrun, `GROWTRAIN_FAULT_RANK=r` limits the fault to rank r
 (the others see the death of a peer). Unset in normal use: one dict lookup per call.
 """

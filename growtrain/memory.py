@@ -1,6 +1,7 @@
 """Memory meters that work on the CPU, where there are no allocator statistics: bytes held for
 backward (saved-tensor hooks) and live tensor bytes (a dispatch mode that sees every op's output).
-Used by the reversible-backward tests and benchmarks/reversible_memory.py.
+Used by the reversible-backward tests and benchmarks/reversible_memory.py. And what the host has
+left (growth on the host warns when it may not fit).
 
 Both count storages, not tensors: autograd saves the same activation for several ops (x for
 wq, wk and wv), and views share one storage, so counting tensors would overstate what is held.
@@ -15,6 +16,18 @@ from typing import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+def host_available_bytes() -> int | None:
+    """Host memory available to new allocations (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _storage(t: torch.Tensor):

@@ -35,6 +35,7 @@ The update (`adamw_step`) takes one of two paths per tensor, both deterministic 
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -91,6 +92,15 @@ class ParamState:
         return isinstance(self.step, int) and not any(isinstance(m, torch.Tensor) for m in (self.lr_mult, self.wd_mult, self.eps_mult))
 
 
+def _moved(x, device: torch.device):
+    """`x` (a tensor, or a dataclass of them such as ParamState) with its tensors on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _moved(getattr(x, f.name), device) for f in dataclasses.fields(x) if f.init})
+    return x
+
+
 def decays(name: str, p: torch.Tensor) -> bool:
     """Matrices decay; norm weights, biases and the selection bias do not."""
     return p.ndim >= 2
@@ -132,6 +142,14 @@ class AdamW:
     def _stored(self) -> dict[str, ParamState]:
         """The states as held (subclasses may hold them packed); multipliers are read from here."""
         return self.state
+
+    @torch.no_grad()
+    def to(self, device: torch.device | str) -> None:
+        """Every state tensor moved to `device`, entry by entry (each old copy freed as the next
+        moves): growth on the host, and back to the GPU after it."""
+        stored = self._stored()
+        for name in list(stored):
+            stored[name] = _moved(stored[name], torch.device(device))
 
     def zero_grad(self) -> None:
         for p in self.params.values():

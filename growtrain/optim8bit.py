@@ -136,6 +136,10 @@ class AdamW8bit(AdamW):
             packed[name] = kept[1] if kept is not None and kept[0]() is s else self._pack(name, s)
         self._packed = packed
 
+    def to(self, device) -> None:
+        self._handed_out = {}  # views handed out before point at the codes where they were
+        super().to(device)
+
     def _stored(self) -> dict[str, ParamState]:
         # The multipliers are the same objects in the packed states: no dequantization needed.
         return self._packed

@@ -142,6 +142,16 @@ class TrainConfig:
             "choice: a resume may change it (a CPU checkpoint resumes on a GPU and back)."
         },
     )
+    grow_on: Literal["auto", "device", "host"] = field(
+        default="auto",
+        metadata={
+            "doc": "Where a stage's growth runs: device (where it trains), host (the model and optimizer state move to "
+            "host memory for the growth and its checks, their collectives go through a gloo group, and everything moves "
+            "back before the stage's first step), or auto (the host when growth's planned peak per rank, as "
+            "`growtrain plan` computes it, is over 90% of the GPU's memory; the device otherwise, and always on a CPU). "
+            "A runtime choice: a resume may change it."
+        },
+    )
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,14 @@ from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointMa
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
 from growtrain.distributed import Dist, is_peer_failure, world_size_problems
 from growtrain.expert_shards import is_expert_tensor
-from growtrain import memtrace
+from growtrain import collective_guard, memtrace
+from growtrain.memory import host_available_bytes
 from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
+from growtrain.model.expert_parallel import use_group
 from growtrain.optim_registry import build_optimizer
-from growtrain.planning import model_flops_per_token
+from growtrain.planning import HEADROOM_TARGET, growth_peak_bytes_per_rank, model_flops_per_token
 from growtrain.progress import Progress, counted_flops, stage_step_costs
 from growtrain.recipe import Recipe, RecipeError, StageConfig, dump_yaml, to_plain, without_moved_keys
 from growtrain.run_lock import RunDirLock, RunDirLocked
@@ -180,6 +182,8 @@ RESUME_MAY_CHANGE = (
     "checkpoint",  # how often checkpoints are written and how many are kept
     "distributed",  # combine mode (same bits either way) and the collective timeout
     "train.expert_backend",  # other kernels, same experts: the same function, its bits within kernel rounding
+    "train.device",  # where it computes, not what: another device's kernels round differently
+    "train.grow_on",  # where growth computes: the same copies and draws, the checks' numbers within rounding
 )
 
 
@@ -197,6 +201,18 @@ def _comparable(recipe_plain: dict) -> dict:
 
 
 _ABSENT = object()
+
+
+def growth_budget_bytes(device: torch.device) -> float | None:
+    """What growth may hold per rank on `device` (train.grow_on: auto): a GPU's memory less the
+    planner's headroom target; None on the CPU, where the host is the device."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory * (1 - HEADROOM_TARGET)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _short(value, limit: int = 60) -> str:
@@ -260,6 +276,7 @@ class Run:
         self.tracker = Tracker(tracking, self.run_dir, recipe.name, self.log)
         self.dist.error_dir = self.run_dir / ".rank-errors"
         self.history: list[dict] = []
+        self.plan_counts: dict = {}  # the planner's per-shape counts (growth's planned peak, train.grow_on)
         self.device = torch.device("cpu")
         self._bad_update: torch.Tensor | None = None  # non-finite parameter count after the last update, not yet read
         self.last_loss = math.nan
@@ -540,7 +557,7 @@ class Run:
                     continue
                 if not pos.grown:
                     with memtrace.phase(stage.name, "growth", self.dist.rank) if stage.grow else contextlib.nullcontext():
-                        self._grow(pos, stage, shapes[pos.stage], probe)
+                        self._grow(pos, stage, ([seed_shape] + shapes)[pos.stage], shapes[pos.stage], probe)
                     pos.grown = True
                     if stage.grow and recipe.checkpoint.after_growth:
                         # A crash early in the stage resumes here, not before the growth.
@@ -555,7 +572,40 @@ class Run:
         self.log(f"done: step {pos.global_step}, {pos.tokens:,} tokens, loss {self.last_loss:.4f}, eval loss {self.last_eval:.4f}")
         return RunResult(self.run_dir, pos.global_step, pos.tokens, self.last_loss, self.last_eval, self.history)
 
-    def _grow(self, pos: Position, stage: StageConfig, planned: ModelConfig, probe) -> None:
+    def _grows_on_host(self, stage: StageConfig, before: ModelConfig, can: bool) -> bool:
+        """train.grow_on for this stage's growth: host, device, or auto (the host when growth's
+        planned peak per rank is over the GPU's budget). The same answer on every rank. `can`:
+        whether the transition grows without a gather (on shards, or in one process)."""
+        setting = self.recipe.train.grow_on
+        budget = growth_budget_bytes(self.device) if setting == "auto" else None
+        if setting == "device" or (setting == "auto" and budget is None):
+            return False
+        invariance = self.recipe.invariance
+        peak = growth_peak_bytes_per_rank(
+            before, stage.grow, self.recipe.optimizer, self.plan_counts, self.dist.size,
+            (invariance.probe_batch_size, invariance.probe_seq_len), invariance.stream,
+        )
+        if setting == "auto":
+            if not self.dist.any_rank(peak > budget):
+                self.console.write(f"growth [{stage.name}]: on {self.device} (planned peak {_size(peak)} per rank, {_size(budget)} usable)")
+                return False
+            why = f"planned peak {_size(peak)} per rank is over the {_size(budget)} usable on {self.device}"
+        else:
+            why = f"train.grow_on: host; planned peak {_size(peak)} per rank"
+        if not can:
+            self.console.write(f"growth [{stage.name}]: stays on {self.device} ({why}, but it gathers the whole model, which growth on the host does not do)")
+            return False
+        available = host_available_bytes()
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if available is not None and peak * ranks_here > available:
+            self.console.write(
+                f"warning: growth [{stage.name}] on the host may run out of memory: {ranks_here} process(es) here x {_size(peak)} "
+                f"planned, {_size(available)} available"
+            )
+        self.console.write(f"growth [{stage.name}]: on the host ({why})")
+        return True
+
+    def _grow(self, pos: Position, stage: StageConfig, before: ModelConfig, planned: ModelConfig, probe) -> None:
         if not stage.grow:
             return
         if not self.recipe.invariance.dynamics:
@@ -567,6 +617,21 @@ class Run:
         # dense entries it owns), else on the gathered model, grown identically on every rank and
         # re-sharded.
         on_shards = self.dist.active and all(get_operator(s.op).runs_sharded(s.args) for s in stage.grow)
+        on_host = self._grows_on_host(stage, before, on_shards or not self.dist.active)
+        ep = self.dist.ep
+        if on_host:
+            # The model and its state move to host memory, the growth's collectives to a gloo
+            # group (NCCL's take CUDA tensors only); all of it comes back before the first step.
+            ep = self.dist.host_ep() if self.dist.active else None
+            host = torch.device("cpu")
+            self.model.to(host)
+            self.optimizer.to(host)
+            if ep is not None:
+                use_group(self.model, ep)
+            self.model.set_expert_backend("auto")  # the reference, on the host
+            probe = tuple(t.to(host) for t in probe)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         if on_shards:
             model, state = self.model, self.optimizer.state
         else:
@@ -575,7 +640,7 @@ class Run:
                 self.console.write(f"growth [{stage.name}]: gathering the whole model on every rank ({', '.join(unsharded)} cannot grow expert shards yet)")
             model, state = self.dist.gather_full(self.model, self.optimizer.state)
         try:
-            with sharding.sharded(self.dist.ep if on_shards else None):
+            with sharding.sharded(ep if on_shards else None), collective_guard.only_in(ep.group) if on_host and ep is not None else contextlib.nullcontext():
                 outcome = apply_growth(
                     model,
                     state,
@@ -598,8 +663,14 @@ class Run:
             self.console.write(f"growth check failed; full report in {report}")
             raise
         self.model = outcome.model if on_shards else self.dist.shard(outcome.model)
+        if on_host:
+            self.model.to(self.device)
+            if ep is not None:
+                use_group(self.model, self.dist.ep)
         named = dict(self.model.named_parameters())
         self.optimizer.rebind(self.dist.owned(named), self.dist.shard_state(outcome.optimizer_state, named, experts_sharded=on_shards))
+        if on_host:
+            self.optimizer.to(self.device)
         self.model.set_expert_backend(self.recipe.train.expert_backend)
         self.history.extend(outcome.records)
         for r in outcome.records:

@@ -58,9 +58,16 @@ def local_range(num_experts: int) -> tuple[int, int]:
     return ep.experts(num_experts) if ep is not None else (0, num_experts)
 
 
+def _group():
+    """The process group growth's collectives run in: the EP group's own (the gloo group of growth
+    on the host), else the default one."""
+    ep = current()
+    return ep.group if ep is not None else None
+
+
 def _device() -> torch.device:
     """Where collective tensors go: NCCL takes CUDA tensors only."""
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(_group()) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -90,7 +97,7 @@ def children_to_owners(t: torch.Tensor, m: int, num_experts: int) -> torch.Tenso
     wire = t.to(torch.uint8) if dtype == torch.bool else t  # gloo has no bool
     flat = wire.reshape(n, -1)[send_order.to(device)].to(_device()).contiguous()
     got = torch.empty_like(flat)
-    dist.all_to_all_single(got, flat, recv_counts, send_counts)
+    dist.all_to_all_single(got, flat, recv_counts, send_counts, group=_group())
     out = torch.empty_like(got)
     out[recv_order.to(got.device)] = got
     out = out.to(device).reshape(t.shape)
@@ -137,7 +144,7 @@ def sum_ranks(*values: float) -> list[float]:
     if not _active():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=_group())
     return t.tolist()
 
 
@@ -145,7 +152,7 @@ def max_ranks(*values: float) -> list[float]:
     if not _active():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group())
     return t.tolist()
 
 
@@ -177,7 +184,7 @@ def gather_objects(obj) -> list:
     if not _active():
         return [obj]
     every: list = [None] * current().size
-    dist.all_gather_object(every, obj)
+    dist.all_gather_object(every, obj, group=_group())
     return every
 
 
@@ -193,7 +200,7 @@ def sum_tensor(t: torch.Tensor) -> torch.Tensor:
     if not _active():
         return t
     out = t.to(_device()).clone()
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=_group())
     return out.to(t.device)
 
 
@@ -202,7 +209,7 @@ def reduce_tensor(t: torch.Tensor, dst: int) -> torch.Tensor:
     if not _active():
         return t
     out = t.to(_device()).clone()
-    dist.reduce(out, dst=dst)
+    dist.reduce(out, dst=dst, group=_group())
     return out.to(t.device)
 
 
@@ -291,7 +298,7 @@ def fetch_state(state, name: str, holders: dict[str, tuple[int, dict]]):
             buf = getattr(state[name], k).detach().to(_device()).clone()
         else:
             buf = torch.empty(lay.shape, dtype=lay.dtype, device=_device())
-        dist.broadcast(buf, src=src)
+        dist.broadcast(buf, src=src, group=_group())
         fields[k] = buf
     return ParamState(**fields)
 
@@ -301,7 +308,7 @@ def broadcast_(t: torch.Tensor, src: int) -> None:
     if not _active():
         return
     wire = t.detach() if t.device == _device() else t.detach().to(_device())
-    dist.broadcast(wire, src=src)
+    dist.broadcast(wire, src=src, group=_group())
     if wire is not t:
         t.detach().copy_(wire)
 
@@ -347,7 +354,7 @@ def probe_grads(named: dict) -> None:
         return
     from growtrain.distributed import mean_grads
 
-    mean_grads(named, current().size, _device(), per_tensor=True)
+    mean_grads(named, current().size, _device(), per_tensor=True, group=_group())
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

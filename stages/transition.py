@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from growtrain.expert_shards import is_expert_tensor
+from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.optim import OptimizerConfig, ParamState, decays
@@ -304,6 +305,7 @@ def apply_growth(
         chain = chain.then(blocks, routers, growth.stream_view)
         optimizer_state = new_state
         model = new_model
+        maybe_fault("growth_mid")  # an operator applied and checked, the transition not done
     if model.config != planned:  # the recipe's plan and the operators' results disagree: a bug, never train on
         raise RuntimeError(f"stage {stage_name}: grown shape {model.config} differs from the planned {planned}")
     if len(units) > 1:  # one unit: its own check is the transition's

@@ -47,6 +47,24 @@ def test_a_tensor_off_the_group_device_is_refused_before_torch_sees_the_call(gua
     assert not isinstance(exc.value, guard.CollectiveRuleError)
 
 
+def test_a_group_of_its_own_has_its_own_device_and_only_in_refuses_every_other_group(guarded):
+    """Growth on the host: its gloo group takes CPU tensors while the default group (NCCL on the
+    node) takes CUDA ones; inside only_in(that group) a call in the default group is refused."""
+    host_group, other = object(), object()  # stand-ins: the guard refuses before torch sees them
+    guard.register_group(host_group, "meta")  # "meta": a device the default group (cpu here) is not
+    with pytest.raises(guard.CollectiveRuleError, match=r"all_reduce: argument tensor is on cpu, but .* on meta only"):
+        dist.all_reduce(torch.zeros(2), group=host_group)
+    with pytest.raises(guard.CollectiveRuleError, match=r"broadcast: argument tensor is on meta, but .* on cpu only"):
+        dist.broadcast(torch.zeros(2, device="meta"), src=0)  # the default group keeps its device
+    with guard.only_in(host_group):
+        with pytest.raises(guard.CollectiveRuleError, match="all_reduce runs in the default process group while growth runs on the host"):
+            dist.all_reduce(torch.zeros(2))
+        with pytest.raises(guard.CollectiveRuleError, match="all_gather_object runs in another process group"):
+            dist.all_gather_object([None, None], "a path", group=other)
+    with pytest.raises(ValueError, match="not been initialized"):  # outside it, the default group is fine again
+        dist.all_reduce(torch.zeros(2))
+
+
 def test_a_tensor_inside_an_object_collective_is_refused_with_its_path(guarded):
     state = {"w": ParamState(3, torch.zeros(2), torch.zeros(2))}
     with pytest.raises(guard.CollectiveRuleError, match=r"all_gather_object: argument obj\['w'\]\.exp_avg is a tensor"):

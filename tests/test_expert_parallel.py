@@ -351,6 +351,31 @@ def test_a_killed_rank_stops_the_others_with_a_message_and_the_run_resumes(ep_ru
 
 
 @pytest.mark.slow
+def test_growth_on_the_host_runs_in_a_gloo_group_of_its_own_and_a_kill_inside_it_resumes_on_the_device(ep_runs, tmp_path):
+    """train.grow_on: host at EP = 2. On a CPU nothing moves; what a CPU can check is where the
+    growth's collectives go: every one of them (the probe forwards' all-to-alls and combine, the
+    operators' relayouts, the checks' reductions and state broadcasts) through the gloo group the
+    trainer made for it, since the guard's only_in refuses any other group then (on the node the
+    default group is NCCL's, with CUDA tensors only). Rank 1 is killed inside the 'split' stage's
+    growth on the host (after clone_experts, before the transition's own check): rank 0 stops with
+    the peer message, and the run resumes with train.grow_on changed (a runtime choice) and
+    repeats the uninterrupted EP = 2 run's losses bit for bit."""
+    run = tmp_path / "host"
+    env = cli_env(GROWTRAIN_FAULT="growth_mid:3", GROWTRAIN_FAULT_RANK="1")  # upcycle_moe, split_experts, then clone_experts
+    r = growtrain_torchrun(2, "run", ep_runs["recipe"], "--out", run, "--set", "train.grow_on=host", env=env, timeout=120)
+    assert r.returncode != 0
+    assert "growth [moe]: on the host (train.grow_on: host" in r.stdout
+    assert "growth [split]: on the host" in r.stdout
+    assert "growth [split] transition" not in r.stdout
+    assert "[rank 0] error: rank 0 stopped: another rank died or stopped responding" in r.stderr
+    assert "CollectiveRuleError" not in r.stderr
+    r = growtrain_torchrun(2, "run", ep_runs["recipe"], "--out", run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "growth [split]: on the host" not in r.stdout and "growth [split] transition" in r.stdout
+    assert losses(run) == losses(ep_runs[2]), "growth on the host, and a resume onto the device, change no bit"
+
+
+@pytest.mark.slow
 def test_an_error_on_one_rank_is_reported_by_the_others(ep_runs, tmp_path):
     env = cli_env(GROWTRAIN_FAULT="step_mid:3:raise", GROWTRAIN_FAULT_RANK="1")
     r = growtrain_torchrun(2, "run", ep_runs["recipe"], "--out", tmp_path / "err", env=env, timeout=120)

@@ -269,7 +269,7 @@ STAGE_KEYS = [
     "steps", "tokens", "tokens_cumulative", "memory", "per_gpu_bytes", "capacity_bytes", "headroom", "fits",
     "max_micro_batch", "activations_detail", "step_time_s", "micro_batch_time_s", "dense_phase_s", "expert_phase_s",
     "all_to_all_s", "optimizer_s", "grad_sync_s", "bound", "tokens_per_step", "tokens_per_s", "mfu",
-    "model_flops_per_token", "stage_time_s", "growth_peak_bytes", "growth_peak_bytes_per_rank",
+    "model_flops_per_token", "stage_time_s", "growth_peak_bytes", "growth_peak_bytes_per_rank", "growth_on", "growth_fits",
 ]
 MEMORY_KEYS = ["weights", "weights_total", "gradients", "optimizer", "activations", "workspace", "communication", "runtime_reserve", "total"]
 AF_KEYS = ["applicable", "stage", "gpus", "nodes", "tokens_per_step", "splits", "best", "best_fits", "colocated_step_time_s", "speedup_vs_colocated"]
@@ -393,6 +393,25 @@ def test_growth_on_expert_shards_holds_less_per_rank_than_one_process_and_a_gath
     monkeypatch.setitem(OPERATORS, "widen_ffn", replace(get_operator("widen_ffn"), shards=False))
     row = plan_recipe(recipe, get_hardware("h100-80gb")).stages[moe_index + 1]
     assert row.growth_peak_bytes_per_rank == row.growth_peak_bytes > 0
+
+
+def test_each_120b_growth_fits_where_it_runs_and_one_that_fits_nowhere_fails_the_plan(big_plan, capsys):
+    """The issue's target: on the GPU within 80 GB less 10%, else on the host within its share."""
+    hw = big_plan.hardware
+    grown = {s.name: s for s in big_plan.stages if s.growth_peak_bytes}
+    assert {n: s.growth_on for n, s in grown.items()} == {"moe": "gpu", "wide": "gpu", "experts": "host"}
+    for s in grown.values():
+        budget = (hw.capacity_bytes if s.growth_on == "gpu" else hw.host_bytes_per_gpu) * 0.9
+        assert s.growth_fits and s.growth_peak_bytes_per_rank <= budget, s.name
+    assert grown["experts"].growth_peak_bytes_per_rank > 0.9 * hw.capacity_bytes  # why it is on the host
+    assert grown["experts"].growth_peak_bytes_per_rank <= 200e9  # the issue's host bound per rank
+    assert all(s.growth_on == "" and s.growth_fits for s in big_plan.stages if not s.growth_peak_bytes)
+    # A node with half the host memory: the experts growth fits nowhere, the plan fails and says so.
+    assert main(["plan", str(BIG), "--host-memory-gb", "1000"]) == 1
+    out = capsys.readouterr().out
+    assert "(does not fit on the host)" in out
+    small = plan_recipe(load_recipe(BIG), get_hardware("h100-80gb", host_memory_gb=1000))
+    assert not small.fits and [s.name for s in small.stages if not s.growth_fits] == ["experts"]
 
 
 def raw_hidden(recipe, stage_index: int) -> int:

@@ -24,8 +24,8 @@ E experts of the layer (global), L = E / W local experts, W ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,17 @@ CombineMode = Literal["overlapped", "serial"]
 
 @dataclass(frozen=True)
 class EPGroup:
-    """This process's place in the expert-parallel group (the default process group: one node)."""
+    """This process's place in the expert-parallel group: the ranks of one node, in the default
+    process group, or in `group` (a torch.distributed process group over the same ranks: the gloo
+    group growth on the host runs in, Dist.host_ep)."""
 
     rank: int
     size: int
     combine: CombineMode = "overlapped"
+    group: Any = field(default=None, compare=False)
+
+    def __deepcopy__(self, memo) -> "EPGroup":
+        return self  # a handle on the process group, shared by every copy of a model (growth keeps copies)
 
     def experts(self, num_experts: int) -> tuple[int, int]:
         return expert_range(num_experts, self.rank, self.size)
@@ -52,22 +58,22 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single over rows with variable splits; backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        ctx.splits = (out_splits, in_splits)
+    def forward(ctx, x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x_ND.new_empty((sum(out_splits), *x_ND.shape[1:]))
-        dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits)
+        dist.all_to_all_single(out, x_ND.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
         grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits)
-        return grad_in, None, None
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
 
 
-def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    return _AllToAll.apply(x_ND, out_splits, in_splits)
+def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:
+    return _AllToAll.apply(x_ND, out_splits, in_splits, group)
 
 
 class _FinishOverlappedCombine(torch.autograd.Function):
@@ -78,6 +84,7 @@ class _FinishOverlappedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pending: dict, *ys):
         rank, recv_bufs, works = pending["rank"], pending["recv"], pending["works"]
+        ctx.group = pending["group"]
         for w in works:
             w.wait()
         ctx.y_splits = [y.shape[0] for y in ys]
@@ -88,14 +95,14 @@ class _FinishOverlappedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_in = grad_out.new_empty((sum(ctx.y_splits), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.y_splits, ctx.out_splits)
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.y_splits, ctx.out_splits, group=ctx.group)
         return (None, *grad_in.split(ctx.y_splits))
 
 
 def exchange_counts(counts_E: torch.Tensor, ep: EPGroup) -> torch.Tensor:
     """[W, E]: every rank's slot count per expert."""
     gathered = [torch.empty_like(counts_E) for _ in range(ep.size)]
-    dist.all_gather(gathered, counts_E.contiguous())
+    dist.all_gather(gathered, counts_E.contiguous(), group=ep.group)
     return torch.stack(gathered)
 
 
@@ -110,7 +117,7 @@ def expert_parallel_ffn(
     send_splits = counts_E.view(W, -1).sum(1).tolist()  # slots to each rank (experts are contiguous)
     recv_WL = counts_WE[:, lo:hi]
     recv_splits = recv_WL.sum(1).tolist()
-    x_recv_RD = all_to_all(x_sorted_SD, recv_splits, send_splits)
+    x_recv_RD = all_to_all(x_sorted_SD, recv_splits, send_splits, ep.group)
     chunks = x_recv_RD.split(recv_splits)
 
     # Every chunk travels in one dtype that every rank agrees on: the autocast dtype under autocast
@@ -136,15 +143,15 @@ def expert_parallel_ffn(
             ops = []
             if ys[s].shape[0]:
                 sent.append(ys[s].detach().contiguous())
-                ops.append(dist.P2POp(dist.isend, sent[-1], s))
+                ops.append(dist.P2POp(dist.isend, sent[-1], s, ep.group))
             if send_splits[src]:
-                ops.append(dist.P2POp(dist.irecv, recv_bufs[src], src))
+                ops.append(dist.P2POp(dist.irecv, recv_bufs[src], src, ep.group))
             if ops:
                 works.extend(dist.batch_isend_irecv(ops))
     if overlapped:
-        y_SD = _FinishOverlappedCombine.apply({"rank": ep.rank, "recv": recv_bufs, "works": works, "sent": sent}, *ys)
+        y_SD = _FinishOverlappedCombine.apply({"rank": ep.rank, "recv": recv_bufs, "works": works, "sent": sent, "group": ep.group}, *ys)
     else:
-        y_SD = all_to_all(torch.cat(ys), send_splits, recv_splits)
+        y_SD = all_to_all(torch.cat(ys), send_splits, recv_splits, ep.group)
     return y_SD, counts_WE.sum(0)
 
 
@@ -152,6 +159,14 @@ def shard_experts(model: nn.Module, ep: EPGroup) -> nn.Module:
     """Cut every MoE layer of `model` to this rank's experts, in place (see shard_moe)."""
     for moe in model.moe_layers:
         shard_moe(moe, ep)
+    return model
+
+
+def use_group(model: nn.Module, ep: EPGroup) -> nn.Module:
+    """Every MoE layer of `model` (cut to this rank's experts already) exchanges through `ep` from
+    now on: growth on the host runs the model's forwards in its gloo group, and back."""
+    for moe in model.moe_layers:
+        moe.ep = ep
     return model
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from growtrain.planning.disaggregation import AfNotApplicable
 from growtrain.planning.hardware import GB
+from growtrain.planning.memory import HEADROOM_TARGET
 from growtrain.planning.recipe import Plan
+
+
+def _where(s) -> str:
+    where = "GPU" if s.growth_on == "gpu" else "host"
+    return where if s.growth_fits else f"does not fit on the {where}"
 
 
 def _b(n: float) -> str:
@@ -89,9 +95,15 @@ def format_plan(plan: Plan) -> str:
         out.append(
             f"growth at a stage start, peak per rank over {plan.hardware.gpus} expert-parallel processes (each grows its expert shards; "
             "a stage with an operator that cannot gathers the whole model): "
-            + ", ".join(f"{s.name} {_b(s.growth_peak_bytes_per_rank)} GB" for s in grown)
+            + ", ".join(f"{s.name} {_b(s.growth_peak_bytes_per_rank)} GB ({_where(s)})" for s in grown)
             + "; in one process: "
             + ", ".join(f"{s.name} {_b(s.growth_peak_bytes)} GB" for s in grown)
+        )
+        hw = plan.hardware
+        out.append(
+            f"  growth runs on the GPU within {_b(hw.capacity_bytes * (1 - HEADROOM_TARGET))} GB per rank, else on the host "
+            f"(train.grow_on: auto; {_b(hw.host_bytes_per_gpu * (1 - HEADROOM_TARGET))} GB per rank of the node's {hw.host_memory_gb:,.0f} GB "
+            f"host memory, less {HEADROOM_TARGET:.0%})"
         )
     af = plan.af
     out.append("")

@@ -23,6 +23,7 @@ class Hardware:
     gpus_per_node: int = 8
     nodes: int = 1
     source: str = ""
+    host_memory_gb: float = 2000.0  # per node: where growth too big for the GPU runs (train.grow_on)
 
     @property
     def gpus(self) -> int:
@@ -36,12 +37,19 @@ class Hardware:
     def capacity_bytes(self) -> int:
         return int(self.capacity_gb * GB)
 
+    @property
+    def host_bytes_per_gpu(self) -> int:
+        """One rank's share of the node's host memory."""
+        return int(self.host_memory_gb * GB / self.gpus_per_node)
+
 
 # Vendor datasheet figures (NVIDIA A100, H100, H200 and HGX/DGX B200 datasheets): dense BF16
 # tensor-core TFLOP/s (half the "with sparsity" figure), HBM bandwidth, NVLink (900 GB/s
 # bidirectional on Hopper = 450 GB/s each way; 600 -> 300 on A100; 1.8 TB/s -> 900 on Blackwell),
 # the DGX systems' one ConnectX NIC per GPU (A100: 200 Gb/s HDR = 25 GB/s; H100/H200/B200:
 # 400 Gb/s NDR = 50 GB/s), and memory as sold (GB = 1e9 bytes; B200: 1,440 GB per DGX B200 / 8).
+# Host memory: the DGX systems' 2 TB of system memory (DGX A100 640GB, DGX H100, DGX H200, DGX
+# B200 as shipped), the default of every preset.
 PRESETS: dict[str, Hardware] = {
     "a100-80gb": Hardware("a100-80gb", 312.0, 2039.0, 300.0, 25.0, 80.0, source="NVIDIA A100 80GB SXM datasheet"),
     "h100-80gb": Hardware("h100-80gb", 989.0, 3350.0, 450.0, 50.0, 80.0, source="NVIDIA H100 SXM5 datasheet"),

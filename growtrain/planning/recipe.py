@@ -96,6 +96,8 @@ class StagePlan:
     stage_time_s: float
     growth_peak_bytes: int  # 0 without growth at the stage's start
     growth_peak_bytes_per_rank: int  # the same per expert-parallel rank over hw.gpus processes
+    growth_on: str  # where train.grow_on: auto grows this stage: "gpu", "host" (over the GPU's budget), "" without growth
+    growth_fits: bool  # the per-rank peak within the budget where it runs (capacity or host share, less the headroom)
 
     @property
     def per_gpu_bytes(self) -> int:
@@ -134,7 +136,20 @@ class StagePlan:
             "stage_time_s": self.stage_time_s,
             "growth_peak_bytes": self.growth_peak_bytes,
             "growth_peak_bytes_per_rank": self.growth_peak_bytes_per_rank,
+            "growth_on": self.growth_on,
+            "growth_fits": self.growth_fits,
         }
+
+
+def growth_budget(hw: Hardware, where: str) -> float:
+    """Bytes one rank may hold while growing on the GPU or on the host, less the headroom target."""
+    whole = hw.capacity_bytes if where == "gpu" else hw.host_bytes_per_gpu
+    return whole * (1 - HEADROOM_TARGET)
+
+
+def growth_place(peak_per_rank: int, hw: Hardware) -> str:
+    """Where train.grow_on: auto grows: on the GPU when the per-rank peak fits its budget, else on the host."""
+    return "gpu" if peak_per_rank <= growth_budget(hw, "gpu") else "host"
 
 
 @dataclass(frozen=True)
@@ -150,7 +165,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return all(s.fits for s in self.stages)
+        return all(s.fits and s.growth_fits for s in self.stages)
 
     def to_dict(self) -> dict:
         return {
@@ -230,6 +245,8 @@ def plan_recipe(recipe, hw: Hardware) -> Plan:
             stage_time_s=roof.step_time_s * stage.steps,
             growth_peak_bytes=grow_peak,
             growth_peak_bytes_per_rank=grow_peak_rank,
+            growth_on=growth_place(grow_peak_rank, hw) if stage.grow else "",
+            growth_fits=not stage.grow or grow_peak_rank <= growth_budget(hw, growth_place(grow_peak_rank, hw)),
         )
         tokens_before += stage_tokens
         stages.append(row)
