@@ -37,7 +37,7 @@ from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, load
 from growtrain.stages import OPERATORS, GrowthCheckFailed, GrowthPlanError, Operator, Provenance, apply_growth, get_operator, plan_stage_models, register
 from growtrain.stages.common import materialize
 from growtrain.stages.invariance import Probe, router_kl
-from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs
+from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs, selection_tie_problems
 from growtrain.stages.operators.heads import AddHeadsArgs
 from growtrain.stages.operators.upcycle import UpcycleArgs
 from growtrain.stages.operators.widen import WidenHiddenArgs
@@ -374,6 +374,10 @@ def test_random_operator_chains_keep_exact_logits_and_account_for_every_paramete
                 assume(False)
             if planned.d_model > 48 or planned.n_layers > 6 or (planned.moe and planned.moe.num_experts > 24):
                 break  # keeps an example to a fraction of a second
+            # A split of siblings that still tie bitwise (children of an earlier split in this
+            # chain: no training between its operators) in groups top_k can cut is inexact by
+            # design; the check names it (test_split_is_not_exact_when_the_kth_and_next_router_logits_tie).
+            assume(name != "split_experts" or not selection_tie_problems(model))
             outcome = grow(model, state, name, args, cfg=LENIENT, probe=probe)  # raises on any structure or coverage problem
             (record,) = outcome.records
             m = record["metrics"]
