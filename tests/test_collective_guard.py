@@ -93,7 +93,7 @@ def test_find_tensor_sees_through_containers_dataclasses_and_pickling():
 
 
 def test_the_collective_code_builds_every_tensor_on_an_explicit_device():
-    for path in ("growtrain/distributed.py", "growtrain/model/expert_parallel.py", "growtrain/collective_guard.py"):
+    for path in ("growtrain/distributed.py", "growtrain/model/expert_parallel.py", "growtrain/model/af.py", "growtrain/collective_guard.py"):
         assert guard.factory_calls_without_device((REPO / path).read_text()) == [], path
 
 

@@ -27,6 +27,7 @@ from growtrain.kernels.nf4_reference import NF4LoRAExperts, grouped_swiglu_nf4_l
 from growtrain.kernels.reference import grouped_swiglu_reference
 from growtrain.model.config import ModelConfig, MoEConfig
 from growtrain.model.expert_parallel import EPGroup, expert_parallel_ffn
+from growtrain.model.af import AFGroup, af_expert_ffn
 from growtrain.model.layers import SwiGLU, compute_dtype, out_proj_std
 from growtrain.model.nf4 import NF4Experts
 
@@ -191,6 +192,8 @@ class MoE(nn.Module):
             raise ValueError(f"moe.score_func must be 'softmax' or 'sigmoid', got {moe.score_func!r}")
         self.config: MoEConfig = moe
         self.ep: EPGroup | None = None  # set by expert_parallel.shard_experts: this rank holds a slice
+        self.af: AFGroup | None = None  # set by af.shard_af: the routed experts live on the AF layout's expert ranks
+        self.af_layer = -1  # this layer's index among the model's MoE layers (the AF calls name it)
         # Runtime state, not shape (train.expert_backend): the trainer sets it after building,
         # restoring and growing the model (GrowLM.set_expert_backend).
         self.expert_backend = "reference"
@@ -256,7 +259,9 @@ class MoE(nn.Module):
         inverse_S = torch.empty_like(order_S)
         inverse_S[order_S] = torch.arange(order_S.numel(), device=x.device)
         x_sorted_SD = permute_rows(x_SD, order_S, inverse_S)
-        if self.ep is None:
+        if self.af is not None:  # attention rank of an AF layout: the experts run elsewhere (growtrain/model/af.py)
+            y_sorted_SD, load_E = af_expert_ffn(x_sorted_SD, counts_E, self.af, self.af_layer)
+        elif self.ep is None:
             y_sorted_SD = self.experts(x_sorted_SD, offsets_E1, self.expert_backend)
             load_E = counts_E
         else:  # experts sharded over ranks: dispatch, compute, combine (growtrain/model/expert_parallel.py)

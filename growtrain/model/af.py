@@ -1,0 +1,257 @@
+"""Attention/expert disaggregation (AF mode, issue 18; after DisagMoE, arXiv 2605.11005): the
+routed experts on ranks of their own, apart from the ranks that run everything else.
+
+Layout over the W ranks of one group: ranks 0..A-1 are attention ranks (embeddings, attention,
+norms, routers, shared experts, head; data parallel among themselves, each with its rows of the
+batch), ranks A..W-1 expert ranks (the routed experts, E/F of every MoE layer on each, F = W - A,
+contiguous ranges as under expert parallelism). One MoE layer call moves tokens one way and back:
+
+1. counts: one all_gather of each rank's per-expert slot counts ([E]; an expert rank sends zeros)
+   gives every rank all of them ([W, E]): the split sizes of both transfers and the global load
+   (balance loss, balance bias), as under expert parallelism;
+2. dispatch: one all_to_all_single in which attention rank a sends expert rank f the slots routed
+   to f's experts (contiguous rows, the slots being sorted by expert); nothing else moves;
+3. compute: expert rank f runs each attention rank's chunk through its experts, one grouped call
+   per source with that source's offsets;
+4. combine: one all_to_all_single back, each chunk to the attention rank it came from, which finds
+   its rows in the order it sent them.
+
+Autograd runs through both transfers (expert_parallel._AllToAll, whose backward is the reverse
+exchange): on an attention rank the combine's backward sends the outputs' gradients to the expert
+ranks and the dispatch's backward receives the inputs' gradients; on an expert rank, `serve`
+builds the same two transfers around its compute (the dispatch from an empty input that requires
+a gradient, so that its backward sends the received rows' gradients back) and
+`ExpertCall.backward` runs its side of the backward: the same collectives in the same order.
+So an expert rank mirrors every MoE call of the attention ranks (the forward, a forward without
+gradients, the reversible backward's recompute) and every backward, in their order.
+
+Not here yet: the schedule that drives the expert ranks through a training step, the
+micro-batch pipeline, and the trainer's `distributed.layout: af` (issue 18 lists them).
+
+Legend: S slots an attention rank sends (sorted by expert), R slots an expert rank receives,
+D d_model, E experts of the layer, L = E / F local experts, A attention ranks, F expert ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from growtrain.expert_shards import expert_range
+from growtrain.model.expert_parallel import all_to_all, cut_experts
+
+
+@dataclass(frozen=True)
+class AFGroup:
+    """This process's place in an attention/expert layout of `size` ranks, the first `attention`
+    of them attention ranks (in `group`, else the default process group)."""
+
+    rank: int
+    size: int
+    attention: int
+    group: Any = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if not 1 <= self.attention < self.size:
+            raise ValueError(f"an AF layout of {self.size} ranks needs 1..{self.size - 1} attention ranks, got {self.attention}")
+
+    def __deepcopy__(self, memo) -> "AFGroup":
+        return self  # a handle on the process group, shared by every copy of a model
+
+    @property
+    def expert_ranks(self) -> int:
+        return self.size - self.attention
+
+    @property
+    def is_attention(self) -> bool:
+        return self.rank < self.attention
+
+    def experts_of(self, expert_rank: int, num_experts: int) -> tuple[int, int]:
+        """The global experts [lo, hi) that expert rank `expert_rank` (0..F-1) holds."""
+        return expert_range(num_experts, expert_rank, self.expert_ranks)
+
+    def experts(self, num_experts: int) -> tuple[int, int]:
+        """This expert rank's experts."""
+        if self.is_attention:
+            raise ValueError(f"rank {self.rank} is an attention rank: it holds no routed experts")
+        return self.experts_of(self.rank - self.attention, num_experts)
+
+
+def _chunk_dtype(x: torch.Tensor) -> torch.dtype:
+    """The one dtype results travel in: the autocast dtype under autocast, else the input's (an
+    empty chunk must not come back in another dtype than a full one)."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
+def _all_counts(counts_E: torch.Tensor, af: AFGroup) -> torch.Tensor:
+    """[W, E]: every rank's slot count per expert (expert ranks' rows are zero)."""
+    gathered = [torch.empty_like(counts_E) for _ in range(af.size)]
+    dist.all_gather(gathered, counts_E.contiguous(), group=af.group)
+    return torch.stack(gathered)
+
+
+# -- the control header ------------------------------------------------------------------------
+#
+# Before each exchange, attention rank 0 broadcasts what it is to every rank: [kind, call id,
+# MoE layer, grad mode, slot dtype, autocast]. The expert ranks follow the headers, so they need
+# no copy of the attention ranks' schedule (forward, a forward without gradients, the
+# reversible backward's recompute, the backwards in whatever order autograd runs them); the other
+# attention ranks compare it with their own, so that ranks drifting apart fail at once, naming
+# the call, instead of exchanging the wrong tensors.
+
+FORWARD, BACKWARD, END = 1, 2, 3
+_KINDS = {FORWARD: "forward", BACKWARD: "backward", END: "end"}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_ids = itertools.count()
+
+
+def _header(af: AFGroup, device: torch.device, values: tuple[int, ...] = (0,) * 6) -> tuple[int, ...]:
+    mine = torch.tensor(values, dtype=torch.long, device=device)
+    got = mine.clone()
+    dist.broadcast(got, src=0, group=af.group)
+    if af.is_attention and not torch.equal(got, mine):
+        raise RuntimeError(
+            f"AF layout: attention rank {af.rank} is at {_describe(mine.tolist())}, attention rank 0 at "
+            f"{_describe(got.tolist())}: the attention ranks must make the same MoE calls in the same order"
+        )
+    return tuple(got.tolist())
+
+
+def _describe(h) -> str:
+    kind, call, layer = h[0], h[1], h[2]
+    return f"{_KINDS.get(kind, kind)} of call {call} (MoE layer {layer})" if kind != END else "the end of the calls"
+
+
+class _AttentionSide(torch.autograd.Function):
+    """One MoE call on an attention rank: the slots out and the results back (forward), the
+    results' gradients out and the slots' back (backward), each announced by a header."""
+
+    @staticmethod
+    def forward(ctx, x_sorted_SD: torch.Tensor, af: AFGroup, send: list[int], call: int, out_dtype: torch.dtype) -> torch.Tensor:
+        ctx.af, ctx.send, ctx.call, ctx.x_dtype = af, send, call, x_sorted_SD.dtype
+        nothing = [0] * af.size
+        sent_0D = x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]))
+        dist.all_to_all_single(sent_0D, x_sorted_SD.contiguous(), nothing, send, group=af.group)  # dispatch
+        y_SD = x_sorted_SD.new_empty((sum(send), x_sorted_SD.shape[1]), dtype=out_dtype)
+        dist.all_to_all_single(y_SD, x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]), dtype=out_dtype), send, nothing, group=af.group)
+        return y_SD
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        af, send = ctx.af, ctx.send
+        _header(af, grad_y.device, (BACKWARD, ctx.call, 0, 0, 0, 0))
+        nothing = [0] * af.size
+        dist.all_to_all_single(grad_y.new_empty((0, grad_y.shape[1])), grad_y.contiguous(), nothing, send, group=af.group)
+        grad_x = grad_y.new_empty((sum(send), grad_y.shape[1]), dtype=ctx.x_dtype)  # the slots' dtype, as the expert ranks send it
+        dist.all_to_all_single(grad_x, grad_x.new_empty((0, grad_y.shape[1])), send, nothing, group=af.group)
+        return grad_x, None, None, None, None
+
+
+def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """On an attention rank: the routed experts' output for this rank's expert-sorted slots of
+    MoE layer `layer` (its index among the model's MoE layers), computed on the expert ranks, and
+    the global load [E]."""
+    W, A = af.size, af.attention
+    E = counts_E.numel()
+    call = next(_ids)
+    out_dtype = _chunk_dtype(x_sorted_SD)
+    autocast = torch.is_autocast_enabled(x_sorted_SD.device.type)
+    grad = torch.is_grad_enabled() and x_sorted_SD.requires_grad  # a backward will come
+    _header(af, x_sorted_SD.device, (FORWARD, call, layer, int(grad), _DTYPES.index(x_sorted_SD.dtype), int(autocast)))
+    counts_WE = _all_counts(counts_E, af)
+    send = [0] * W
+    for f in range(af.expert_ranks):
+        lo, hi = af.experts_of(f, E)
+        send[A + f] = int(counts_E[lo:hi].sum())
+    return _AttentionSide.apply(x_sorted_SD, af, send, call, out_dtype), counts_WE.sum(0)
+
+
+def end_calls(af: AFGroup, device: torch.device) -> None:
+    """On every attention rank, after the last MoE call of a step (or pass): the expert ranks'
+    `serve_calls` returns."""
+    _header(af, device, (END, 0, 0, 0, 0, 0))
+
+
+@dataclass
+class ExpertCall:
+    """An expert rank's side of one MoE call: what its backward starts from, and the global load."""
+
+    out: torch.Tensor  # the combine's (empty) output on this rank
+    load_E: torch.Tensor
+
+    def backward(self) -> None:
+        """This rank's side of the call's backward: receive the outputs' gradients, run them
+        through the experts (their parameters' gradients accumulate), send the inputs' back."""
+        if not self.out.requires_grad:
+            raise RuntimeError("this MoE call was served without gradients: there is no backward to run")
+        torch.autograd.backward(self.out, torch.zeros_like(self.out))
+
+
+def serve(experts: nn.Module, backend: str, num_experts: int, d_model: int, af: AFGroup, dtype: torch.dtype, device: torch.device) -> ExpertCall:
+    """On an expert rank, after the call's header: this rank's side of one MoE call of the
+    attention ranks (the layer whose experts `experts` are, cut to this rank's range). Gradients
+    flow where grad mode is on, as on the attention ranks; `dtype`: the slots' dtype."""
+    W, A = af.size, af.attention
+    lo, hi = af.experts(num_experts)
+    counts_WE = _all_counts(torch.zeros(num_experts, dtype=torch.long, device=device), af)
+    recv = [int(counts_WE[a, lo:hi].sum()) for a in range(A)] + [0] * af.expert_ranks
+    nothing = [0] * W
+    empty_0D = torch.empty((0, d_model), dtype=dtype, device=device, requires_grad=torch.is_grad_enabled())
+    x_recv_RD = all_to_all(empty_0D, recv, nothing, af.group)
+    out_dtype = _chunk_dtype(x_recv_RD)
+    ys = []
+    for a, chunk in enumerate(x_recv_RD.split(recv[:A])):
+        offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=device)
+        offsets_L1[1:] = torch.cumsum(counts_WE[a, lo:hi].to(device), 0)
+        ys.append(experts(chunk, offsets_L1, backend).to(out_dtype))
+    out_0D = all_to_all(torch.cat(ys), nothing, recv, af.group)
+    return ExpertCall(out_0D, counts_WE.sum(0))
+
+
+def serve_calls(moe_layers: list[nn.Module], af: AFGroup, device: torch.device) -> int:
+    """On an expert rank: serve the attention ranks' MoE calls, forward and backward, as their
+    headers announce them, until they end the step (end_calls). Returns the number of calls. A
+    forward with gradients is kept until its backward comes; one still waiting at the end is an
+    error (its gradients would be lost)."""
+    pending: dict[int, ExpertCall] = {}
+    served = 0
+    while True:
+        kind, call, layer, grad, dtype, autocast = _header(af, device)
+        if kind == END:
+            if pending:
+                raise RuntimeError(f"AF layout: the attention ranks ended the step with the backward of calls {sorted(pending)} not run")
+            return served
+        if kind == BACKWARD:
+            if call not in pending:
+                raise RuntimeError(f"AF layout: backward of call {call}, which was not served with gradients")
+            pending.pop(call).backward()
+            continue
+        moe = moe_layers[layer]
+        with torch.set_grad_enabled(bool(grad)), torch.autocast(device.type, enabled=bool(autocast)):
+            done = serve(moe.experts, moe.expert_backend, moe.num_experts, moe.router.weight.shape[1], af, _DTYPES[dtype], device)
+        served += 1
+        if grad:
+            pending[call] = done
+
+
+def shard_af(moe: nn.Module, af: AFGroup, layer: int) -> nn.Module:
+    """MoE layer number `layer` (among the model's MoE layers) cut to this rank's part of the AF
+    layout, in place: on an attention rank no routed expert (its calls go to the expert ranks),
+    on an expert rank its range."""
+    lo, hi = (0, 0) if af.is_attention else af.experts(moe.num_experts)
+    cut_experts(moe.experts, lo, hi)
+    moe.af, moe.af_layer = af, layer
+    return moe
+
+
+def shard_af_model(model: nn.Module, af: AFGroup) -> nn.Module:
+    """Every MoE layer of `model` cut to this rank's part of the AF layout (shard_af), in place."""
+    for i, moe in enumerate(model.moe_layers):
+        shard_af(moe, af, i)
+    return model

@@ -1,0 +1,106 @@
+"""Run by torchrun from tests/test_af.py: a whole reversible model (dense block, two MoE blocks) in
+an attention/expert layout, the first A ranks attention ranks with their rows of the batch, the
+others expert ranks that only follow the attention ranks' headers (growtrain/model/af.py
+serve_calls): an evaluation forward without gradients, then two micro-batches of training
+forward and backward (the reversible backward recomputes each block, MoE calls included), against
+one process running the whole batch. Rank 0 writes a JSON report to argv[1]; argv[2] is A,
+argv[3] the expert format (full or nf4), argv[4] the precision (fp32 or bf16)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from af_layer_worker import write_report
+from growtrain import collective_guard
+from growtrain.expert_shards import is_expert_tensor
+from growtrain.model import GrowLM
+from growtrain.model.af import AFGroup, end_calls, serve_calls, shard_af_model
+from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
+from growtrain.train import forward_loss
+
+
+def main(out: str, attention: str, expert_format: str, precision: str) -> None:
+    dist.init_process_group("gloo")
+    guard_on = collective_guard.install_from_env(torch.device("cpu"))
+    rank, W = dist.get_rank(), dist.get_world_size()
+    af = AFGroup(rank, W, int(attention))
+    A = af.attention
+    torch.manual_seed(0)
+    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=32, expert_format=expert_format, lora=ExpertLoRAConfig(r=4))
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden=64, moe=moe, moe_layers=(0, 2), reversible=True)
+    reference = GrowLM(cfg)
+    if expert_format == "nf4":  # nonzero B so the adapters take part
+        with torch.no_grad():
+            for layer in reference.moe_layers:
+                for m in ("w_gate", "w_up", "w_down"):
+                    getattr(layer.experts, f"{m}_lora_B").normal_(0, 0.02)
+    state = reference.state_dict()
+    B, T, M = 2, 8, 2  # rows per attention rank, sequence, micro-batches
+    data = torch.randint(0, 64, (M, A * B, T + 1))
+
+    def micro(m: int, rows: slice):
+        return data[m, rows, :-1], data[m, rows, 1:]
+
+    # One process, the whole batch: the mean over micro-batches of the loss over all rows.
+    ref_losses = []
+    with torch.no_grad():
+        ref_eval = forward_loss(reference, *micro(0, slice(None)), precision)[0].item()
+    for m in range(M):
+        ce, aux, _ = forward_loss(reference, *micro(m, slice(None)), precision)
+        ((ce + aux) / M).backward()
+        ref_losses.append(ce.item())
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    model = GrowLM(cfg)
+    model.load_state_dict(state)
+    shard_af_model(model, af)
+    errors: dict[str, float] = {}
+    flags: dict[str, bool] = {}
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    if af.is_attention:
+        rows = slice(rank * B, (rank + 1) * B)
+        with torch.no_grad():
+            ev = torch.tensor([forward_loss(model, *micro(0, rows), precision)[0].item()], dtype=torch.float64)
+        end_calls(af, torch.device("cpu"))
+        losses = torch.zeros(M, dtype=torch.float64)
+        for m in range(M):
+            ce, aux, _ = forward_loss(model, *micro(m, rows), precision)
+            ((ce + aux) / M).backward()
+            losses[m] = ce.item()
+        end_calls(af, torch.device("cpu"))
+    else:
+        ev, losses = torch.zeros(1, dtype=torch.float64), torch.zeros(M, dtype=torch.float64)
+        flags["eval_calls"] = serve_calls(model.moe_layers, af, torch.device("cpu")) == len(cfg.moe_layers)
+        # Two micro-batches, each: the no-gradient forward, then every MoE block's recompute.
+        flags["train_calls"] = serve_calls(model.moe_layers, af, torch.device("cpu")) == 2 * M * len(cfg.moe_layers)
+    # The attention ranks' losses, each over its rows: their mean is the whole batch's.
+    for t in (ev, losses):
+        dist.all_reduce(t)
+        t /= A
+    errors["eval_loss"] = abs(ev.item() - ref_eval) / ref_eval
+    errors["losses"] = max(abs(a - b) / b for a, b in zip(losses.tolist(), ref_losses))
+    # Dense gradients: each attention rank's rows' share (their sum over A ranks, over A, as data
+    # parallelism takes it); expert gradients: every row reaches them, so they hold A times the
+    # mean's (a trainer divides by A, as by W under expert parallelism).
+    for n, p in model.named_parameters():
+        if is_expert_tensor(n):
+            if not af.is_attention:
+                lo, hi = af.experts(cfg.moe.num_experts)
+                errors[n] = rel(p.grad / A, ref_grads[n][lo:hi])
+            continue
+        g = p.grad.clone() if (af.is_attention and p.grad is not None) else torch.zeros_like(p)
+        dist.all_reduce(g)
+        if n in ref_grads:
+            errors[n] = rel(g / A, ref_grads[n])
+    write_report(out, errors, flags, {"collective_checks": guard_on, "expert_tensors": sum(map(is_expert_tensor, ref_grads))})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
