@@ -393,6 +393,7 @@ def test_growth_on_expert_shards_holds_less_per_rank_than_one_process_and_a_gath
     monkeypatch.setitem(OPERATORS, "widen_ffn", replace(get_operator("widen_ffn"), shards=False))
     row = plan_recipe(recipe, get_hardware("h100-80gb")).stages[moe_index + 1]
     assert row.growth_peak_bytes_per_rank == row.growth_peak_bytes > 0
+    assert row.growth_on == "gpu"  # a gathering growth stays where the model is, as the trainer keeps it
 
 
 def test_each_120b_growth_fits_where_it_runs_and_one_that_fits_nowhere_fails_the_plan(big_plan, capsys):

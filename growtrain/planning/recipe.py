@@ -201,6 +201,12 @@ def plan_recipe(recipe, hw: Hardware) -> Plan:
         grow_peak = growth_peak_bytes(previous, stage.grow, recipe.optimizer, counts)
         probe = (recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len)
         grow_peak_rank = growth_peak_bytes_per_rank(previous, stage.grow, recipe.optimizer, counts, hw.gpus, probe, recipe.invariance.stream)
+        # Where train.grow_on: auto grows it: a growth that gathers the whole model (an operator
+        # that cannot grow expert shards) stays on the GPU, as the trainer keeps it.
+        from growtrain.stages import get_operator  # lazily, as planning.memory does: stages imports the planner
+
+        gathers = hw.gpus > 1 and not all(get_operator(s.op).runs_sharded(s.args) for s in stage.grow)
+        grow_on = ("gpu" if gathers else growth_place(grow_peak_rank, hw)) if stage.grow else ""
         previous = cfg
         acts = stage_activations(cfg, stage.batch_size, stage.seq_len, precision, hw.gpus)
         mem = memory_per_gpu(cfg, count, acts, hw.gpus, precision)
@@ -245,8 +251,8 @@ def plan_recipe(recipe, hw: Hardware) -> Plan:
             stage_time_s=roof.step_time_s * stage.steps,
             growth_peak_bytes=grow_peak,
             growth_peak_bytes_per_rank=grow_peak_rank,
-            growth_on=growth_place(grow_peak_rank, hw) if stage.grow else "",
-            growth_fits=not stage.grow or grow_peak_rank <= growth_budget(hw, growth_place(grow_peak_rank, hw)),
+            growth_on=grow_on,
+            growth_fits=not stage.grow or grow_peak_rank <= growth_budget(hw, grow_on),
         )
         tokens_before += stage_tokens
         stages.append(row)
