@@ -296,9 +296,7 @@ class Dist:
                     fields[k] = torch.cat(parts)
                 else:  # dense (one holder), or a 0-d tensor shared by the expert slices: the first holder's
                     src = holders[0]
-                    buf = getattr(state[name], k).detach().clone() if self.rank == src else torch.empty(first.shape, dtype=first.dtype, device=self.device)
-                    dist.broadcast(buf, src=src)
-                    fields[k] = buf
+                    fields[k] = broadcast_field(getattr(state[name], k) if self.rank == src else None, first, src, self.device)
             merged[name] = ParamState(**fields)
         return merged
 
@@ -430,3 +428,11 @@ class _TensorLayout:
 
 def _layout(value):
     return _TensorLayout(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def broadcast_field(value: torch.Tensor | None, layout: _TensorLayout, src: int, device: torch.device, group=None) -> torch.Tensor:
+    """An optimizer-state tensor of rank `src` (`value` there, None elsewhere, `layout` on every
+    rank) on every rank, by one broadcast on `device` (a collective in `group`)."""
+    buf = value.detach().to(device).clone() if value is not None else torch.empty(layout.shape, dtype=layout.dtype, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return buf

@@ -92,13 +92,19 @@ class ParamState:
         return isinstance(self.step, int) and not any(isinstance(m, torch.Tensor) for m in (self.lr_mult, self.wd_mult, self.eps_mult))
 
 
-def _moved(x, device: torch.device):
-    """`x` (a tensor, or a dataclass of them such as ParamState) with its tensors on `device`."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return dataclasses.replace(x, **{f.name: _moved(getattr(x, f.name), device) for f in dataclasses.fields(x) if f.init})
-    return x
+def to_device(obj, device: torch.device):
+    """Every tensor in `obj` moved to `device`: a tensor, or nested dicts, lists, tuples and
+    dataclasses (ParamState, 8-bit moments) of them (optimizer state from a checkpoint, or moved
+    for growth on the host)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init})
+    return obj
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -149,7 +155,7 @@ class AdamW:
         moves): growth on the host, and back to the GPU after it."""
         stored = self._stored()
         for name in list(stored):
-            stored[name] = _moved(stored[name], torch.device(device))
+            stored[name] = to_device(stored[name], torch.device(device))
 
     def zero_grad(self) -> None:
         for p in self.params.values():

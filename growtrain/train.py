@@ -36,6 +36,7 @@ from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.model.expert_parallel import use_group
+from growtrain.optim import to_device
 from growtrain.optim_registry import build_optimizer
 from growtrain.planning import HEADROOM_TARGET, growth_peak_bytes_per_rank, model_flops_per_token
 from growtrain.progress import Progress, counted_flops, stage_step_costs
@@ -140,17 +141,6 @@ def gpu_peak_tflops(device: torch.device) -> float | None:
         if key.split("-")[0] in name:
             return hw.peak_tflops
     return None
-
-
-def to_device(obj, device: torch.device):
-    """Every tensor in a nested dict/list moved to `device` (optimizer state from a checkpoint)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
 
 
 def environment(device: torch.device | None = None) -> dict:

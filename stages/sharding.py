@@ -282,7 +282,7 @@ def dense_holders(state) -> dict[str, tuple[int, dict]] | None:
 
 def fetch_state(state, name: str, holders: dict[str, tuple[int, dict]]):
     """Dense entry `name` on every rank, broadcast from the rank that holds it (a collective)."""
-    from growtrain.distributed import _STATE_FIELDS, _TensorLayout
+    from growtrain.distributed import _STATE_FIELDS, _TensorLayout, broadcast_field
     from growtrain.optim import ParamState
 
     if name not in holders:
@@ -294,12 +294,7 @@ def fetch_state(state, name: str, holders: dict[str, tuple[int, dict]]):
         if not isinstance(lay, _TensorLayout):
             fields[k] = lay  # a Python number: it came with the layout
             continue
-        if current().rank == src:
-            buf = getattr(state[name], k).detach().to(_device()).clone()
-        else:
-            buf = torch.empty(lay.shape, dtype=lay.dtype, device=_device())
-        dist.broadcast(buf, src=src, group=_group())
-        fields[k] = buf
+        fields[k] = broadcast_field(getattr(state[name], k) if current().rank == src else None, lay, src, _device(), _group())
     return ParamState(**fields)
 
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from growtrain.expert_shards import expert_range
-from growtrain.model.expert_parallel import all_to_all, cut_experts
+from growtrain.model.expert_parallel import all_to_all, chunk_dtype, cut_experts, exchange_counts
 
 
 @dataclass(frozen=True)
@@ -80,20 +80,6 @@ class AFGroup:
         if self.is_attention:
             raise ValueError(f"rank {self.rank} is an attention rank: it holds no routed experts")
         return self.experts_of(self.rank - self.attention, num_experts)
-
-
-def _chunk_dtype(x: torch.Tensor) -> torch.dtype:
-    """The one dtype results travel in: the autocast dtype under autocast, else the input's (an
-    empty chunk must not come back in another dtype than a full one)."""
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-
-
-def _all_counts(counts_E: torch.Tensor, af: AFGroup) -> torch.Tensor:
-    """[W, E]: every rank's slot count per expert (expert ranks' rows are zero)."""
-    gathered = [torch.empty_like(counts_E) for _ in range(af.size)]
-    dist.all_gather(gathered, counts_E.contiguous(), group=af.group)
-    return torch.stack(gathered)
 
 
 # -- the control header ------------------------------------------------------------------------
@@ -160,11 +146,11 @@ def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup
     W, A = af.size, af.attention
     E = counts_E.numel()
     call = next(_ids)
-    out_dtype = _chunk_dtype(x_sorted_SD)
+    out_dtype = chunk_dtype(x_sorted_SD)
     autocast = torch.is_autocast_enabled(x_sorted_SD.device.type)
     grad = torch.is_grad_enabled() and x_sorted_SD.requires_grad  # a backward will come
     _header(af, x_sorted_SD.device, (FORWARD, call, layer, int(grad), _DTYPES.index(x_sorted_SD.dtype), int(autocast)))
-    counts_WE = _all_counts(counts_E, af)
+    counts_WE = exchange_counts(counts_E, af)
     send = [0] * W
     for f in range(af.expert_ranks):
         lo, hi = af.experts_of(f, E)
@@ -199,12 +185,12 @@ def serve(experts: nn.Module, backend: str, num_experts: int, d_model: int, af: 
     flow where grad mode is on, as on the attention ranks; `dtype`: the slots' dtype."""
     W, A = af.size, af.attention
     lo, hi = af.experts(num_experts)
-    counts_WE = _all_counts(torch.zeros(num_experts, dtype=torch.long, device=device), af)
+    counts_WE = exchange_counts(torch.zeros(num_experts, dtype=torch.long, device=device), af)
     recv = [int(counts_WE[a, lo:hi].sum()) for a in range(A)] + [0] * af.expert_ranks
     nothing = [0] * W
     empty_0D = torch.empty((0, d_model), dtype=dtype, device=device, requires_grad=torch.is_grad_enabled())
     x_recv_RD = all_to_all(empty_0D, recv, nothing, af.group)
-    out_dtype = _chunk_dtype(x_recv_RD)
+    out_dtype = chunk_dtype(x_recv_RD)
     ys = []
     for a, chunk in enumerate(x_recv_RD.split(recv[:A])):
         offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=device)

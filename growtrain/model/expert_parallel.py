@@ -99,8 +99,16 @@ class _FinishOverlappedCombine(torch.autograd.Function):
         return (None, *grad_in.split(ctx.y_splits))
 
 
-def exchange_counts(counts_E: torch.Tensor, ep: EPGroup) -> torch.Tensor:
-    """[W, E]: every rank's slot count per expert."""
+def chunk_dtype(x: torch.Tensor) -> torch.dtype:
+    """The one dtype every rank's result chunks travel in: the autocast dtype under autocast, else
+    the input's (an empty chunk would otherwise come back in the input's dtype, and a receiver
+    expecting bf16 would get twice the bytes)."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+
+
+def exchange_counts(counts_E: torch.Tensor, ep) -> torch.Tensor:
+    """[W, E]: every rank's slot count per expert (`ep`: an EPGroup, or an AF layout's AFGroup)."""
     gathered = [torch.empty_like(counts_E) for _ in range(ep.size)]
     dist.all_gather(gathered, counts_E.contiguous(), group=ep.group)
     return torch.stack(gathered)
@@ -120,11 +128,7 @@ def expert_parallel_ffn(
     x_recv_RD = all_to_all(x_sorted_SD, recv_splits, send_splits, ep.group)
     chunks = x_recv_RD.split(recv_splits)
 
-    # Every chunk travels in one dtype that every rank agrees on: the autocast dtype under autocast
-    # (an empty chunk would otherwise come back in the input's dtype, and a receiver expecting bf16
-    # would get twice the bytes).
-    device_type = x_sorted_SD.device.type
-    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_sorted_SD.dtype
+    out_dtype = chunk_dtype(x_sorted_SD)
     overlapped = ep.combine == "overlapped"
     recv_bufs = [x_sorted_SD.new_empty((send_splits[r], x_sorted_SD.shape[1]), dtype=out_dtype) for r in range(W)]
     works, sent = [], []  # an in-flight isend's buffer must outlive it: `sent`
