@@ -261,18 +261,35 @@ def shard_file_name(rank: int, size: int) -> str:
     return f"experts-{rank:03d}-of-{size:03d}.pt"
 
 
-def _merge_expert_shards(path: Path, model_state: dict, trainer_state: dict, meta: dict, expert_shard: tuple[int, int]) -> None:
+def dense_state_file_name(rank: int, size: int) -> str:
+    """An AF attention rank's file: its ZeRO-1 share of the dense optimizer state."""
+    return f"dense-state-{rank:03d}-of-{size:03d}.pt"
+
+
+def _merge_expert_shards(path: Path, model_state: dict, trainer_state: dict, meta: dict, expert_shard: tuple[int, int] | None) -> None:
     """Put the experts of `expert_shard` = (rank, size) into model_state and the optimizer state:
-    from the per-rank shard files of a checkpoint saved under expert parallelism (each read only
-    over the needed range: memory-mapped), or cut from the full tensors of one saved without."""
-    rank, size = expert_shard
+    from the per-rank shard files of a checkpoint saved under expert parallelism or in an AF
+    layout (each read only over the needed range: memory-mapped), or cut from the full tensors of
+    one saved by one process. expert_shard None: no routed expert at all (an AF attention rank),
+    the dense optimizer entries still gathered from every file that holds some."""
     saved = meta.get("expert_parallel")
     optimizer = trainer_state.get("optimizer", {})
     if not saved:
-        if size > 1:
+        if expert_shard is None:
+            for state in (model_state, optimizer):
+                for n in [n for n in state if is_expert_tensor(n)]:
+                    del state[n]
+        elif expert_shard[1] > 1:
+            rank, size = expert_shard
             model_state.update(slice_state({n: t for n, t in model_state.items() if is_expert_tensor(n)}, rank, size))
             trainer_state["optimizer"] = slice_state(optimizer, rank, size)
         return
+    for fname in saved.get("dense_files", []):  # AF: each attention rank's ZeRO-1 share of the dense state
+        try:
+            part = torch.load(path / fname, weights_only=True, map_location="cpu", mmap=True)
+            optimizer.update(part["optimizer"])
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {path.name} is damaged ({fname}: {e})") from e
     model_pieces, optim_pieces = [], []
     for fname in saved["files"]:
         try:
@@ -289,6 +306,10 @@ def _merge_expert_shards(path: Path, model_state: dict, trainer_state: dict, met
             raise CheckpointError(f"checkpoint {path.name} is damaged ({fname}: not an expert shard: {e})") from e
     if len(model_pieces) != saved["size"]:
         raise CheckpointError(f"checkpoint {path.name}: {len(model_pieces)} expert shards, meta.json says {saved['size']}")
+    trainer_state["optimizer"] = optimizer
+    if expert_shard is None:
+        return
+    rank, size = expert_shard
     try:
         model_state.update(assemble(model_pieces, rank, size))
         optimizer.update(assemble(optim_pieces, rank, size))
@@ -298,17 +319,22 @@ def _merge_expert_shards(path: Path, model_state: dict, trainer_state: dict, met
 
 
 def load_checkpoint(
-    path: Path, expert_shard: tuple[int, int] = (0, 1), combine: Callable[[list[str]], list[str]] | None = None
+    path: Path,
+    expert_shard: tuple[int, int] | None = (0, 1),
+    combine: Callable[[list[str]], list[str]] | None = None,
+    part: tuple[int, int] | None = None,
 ) -> LoadedCheckpoint:
     """Verify, then load the checkpoint dir `path`; CheckpointError listing the problems if damaged.
     expert_shard = (rank, size): the routed experts of that expert-parallel rank (the default,
-    (0, 1), is the whole model), whatever EP size the checkpoint was saved at. combine: under
-    expert parallelism, every rank's problems for all of them (each rank hashes its share of the
-    files, verify_checkpoint's part = expert_shard); without, this rank hashes every file."""
+    (0, 1), is the whole model), whatever EP size or layout the checkpoint was saved at; None: no
+    routed expert (an AF attention rank). combine: with several processes, every rank's problems
+    for all of them (each rank hashes its share of the files, verify_checkpoint's part: `part`, by
+    default expert_shard); without, this rank hashes every file."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
-    problems = combine(verify_checkpoint(path, expert_shard)) if combine is not None else verify_checkpoint(path)
+    part = part or expert_shard or (0, 1)
+    problems = combine(verify_checkpoint(path, part)) if combine is not None else verify_checkpoint(path)
     if problems:
         raise CheckpointError(f"checkpoint {path.name} is damaged ({'; '.join(problems)})")
     manifest = _read_manifest(path)
@@ -362,22 +388,23 @@ def read_meta(path: Path) -> dict[str, Any]:
 def resolve(
     path_or_dir: Path,
     log: Callable[[str], None] = print,
-    expert_shard: tuple[int, int] = (0, 1),
+    expert_shard: tuple[int, int] | None = (0, 1),
     combine: Callable[[list[str]], list[str]] | None = None,
+    part: tuple[int, int] | None = None,
 ) -> LoadedCheckpoint:
-    """Load a checkpoint dir, or the newest intact checkpoint of a run dir."""
+    """Load a checkpoint dir, or the newest intact checkpoint of a run dir (load_checkpoint's arguments)."""
     p = Path(path_or_dir)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if (p / MANIFEST_FILE).is_file() or _step_of(p) is not None:
-        return load_checkpoint(p, expert_shard, combine)
+        return load_checkpoint(p, expert_shard, combine, part)
     if (p / "checkpoints").is_dir():
-        loaded = CheckpointManager(p, CheckpointConfig(), log=log, expert_shard=expert_shard, combine=combine).load_latest()
+        loaded = CheckpointManager(p, CheckpointConfig(), log=log, expert_shard=expert_shard, combine=combine, part=part).load_latest()
         if loaded is None:
             raise CheckpointError(f"{p}: run directory has no complete checkpoint under checkpoints/")
         return loaded
     if p.name == "checkpoints" and p.is_dir():
-        return resolve(p.parent, log, expert_shard, combine)
+        return resolve(p.parent, log, expert_shard, combine, part)
     raise CheckpointError(
         f"{p}: neither a checkpoint directory (with {MANIFEST_FILE}) nor a run directory (with checkpoints/)"
     )
@@ -394,11 +421,13 @@ class CheckpointManager:
         run_dir: Path,
         cfg: CheckpointConfig,
         log: Callable[[str], None] = print,
-        expert_shard: tuple[int, int] = (0, 1),
+        expert_shard: tuple[int, int] | None = (0, 1),
         combine: Callable[[list[str]], list[str]] | None = None,
+        part: tuple[int, int] | None = None,
     ):
         self.expert_shard = expert_shard  # (rank, size): which experts loads return (load_checkpoint)
         self.combine = combine  # every rank's verification problems (load_checkpoint)
+        self.part = part  # (rank, size): which files this rank hashes (load_checkpoint)
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.log = log
@@ -536,7 +565,7 @@ class CheckpointManager:
         return verify_checkpoint(path)
 
     def load(self, path: Path) -> LoadedCheckpoint:
-        return load_checkpoint(path, self.expert_shard, self.combine)
+        return load_checkpoint(path, self.expert_shard, self.combine, self.part)
 
     def latest_hint(self) -> str | None:
         try:
@@ -566,7 +595,7 @@ class CheckpointManager:
         damaged: list[str] = []
         for i, path in enumerate(candidates):
             try:
-                return load_checkpoint(path, self.expert_shard, self.combine)
+                return load_checkpoint(path, self.expert_shard, self.combine, self.part)
             except CheckpointError as e:
                 reason = str(e)
                 damaged.append(reason)
@@ -577,4 +606,4 @@ class CheckpointManager:
         )
 
     def resolve(self, path_or_dir: Path) -> LoadedCheckpoint:
-        return resolve(path_or_dir, self.log, self.expert_shard, self.combine)
+        return resolve(path_or_dir, self.log, self.expert_shard, self.combine, self.part)

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the node's host memory, GB (default 2000, a DGX's): where growth over the GPU's memory runs")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a recipe field")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--measured", type=Path, default=None, metavar="RUN_DIR",
+                   help="a run of this recipe in an AF layout (distributed.layout: af, as many processes as --gpus x --nodes): "
+                   "print the planner's step time and each side's waiting share for its split and schedule next to the "
+                   "run's measured ones (its metrics.jsonl, the last stage)")
 
     p = sub.add_parser("inspect", help="show a run's or checkpoint's stage, step, tokens, parameters and growth history",
                        description="Show where a run stands: stage, step, tokens, parameter counts, and each growth "
@@ -277,13 +281,23 @@ def cmd_validate(args) -> int:
         return 2
     shapes = plan_stage_models(recipe.model, [s.grow for s in recipe.stages])
     if args.world_size > 1:
-        from growtrain.distributed import world_size_problems
+        from growtrain.distributed import resolve_attention_ranks, world_size_problems
 
+        try:
+            recipe, chosen = resolve_attention_ranks(recipe, shapes, args.world_size)
+        except RecipeError as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+        if chosen:
+            print(chosen)
         problems = world_size_problems(recipe, shapes, args.world_size)
         if problems:
             print(str(RecipeError(problems, f"{args.recipe} over {args.world_size} processes")), file=sys.stderr)
             return 2
     over = f" over {args.world_size} processes" if args.world_size > 1 else ""
+    if args.world_size > 1 and recipe.distributed.layout == "af":
+        A = recipe.distributed.attention_ranks
+        over += f" (AF layout: {A} attention + {args.world_size - A} expert ranks)"
     print(f"{args.recipe}: ok{over} — {len(recipe.stages)} stage(s), {sum(s.steps for s in recipe.stages):,} steps")
     for stage, shape in zip(recipe.stages, shapes):
         moe = f", MoE {shape.moe.num_experts} experts top-{shape.moe.top_k} in {len(shape.moe_layers)} layer(s)" if shape.moe else ""
@@ -376,8 +390,39 @@ def cmd_plan(args) -> int:
         host_memory_gb=args.host_memory_gb,
     )
     result = plan_recipe(load_recipe(args.recipe, args.overrides), hw)
-    print(json.dumps(result.to_dict()) if args.json else format_plan(result))
+    comparison = _af_measured(result, args.measured) if args.measured is not None else None
+    if args.json:
+        print(json.dumps(result.to_dict() | ({"af_measured": comparison} if comparison else {})))
+    else:
+        print(format_plan(result))
+        if comparison:
+            from growtrain.planning.af_measured import format_comparison
+
+            print("\n" + format_comparison(comparison))
     return 0 if result.fits else 1
+
+
+def _af_measured(plan, run_dir: Path) -> dict:
+    """The plan's AF split of the run's layout against the run (planning/af_measured.py)."""
+    import yaml
+
+    from growtrain.planning import PlanError
+    from growtrain.planning.af_measured import compare
+    from growtrain.tracking import MetricsFile
+
+    recipe_file, metrics = run_dir / "recipe.yaml", run_dir / "metrics.jsonl"
+    if not recipe_file.is_file() or not metrics.is_file():
+        raise PlanError(f"--measured {run_dir}: not a run directory (no recipe.yaml and metrics.jsonl)")
+    dist_cfg = (yaml.safe_load(recipe_file.read_text()) or {}).get("distributed") or {}
+    if dist_cfg.get("layout") != "af":
+        raise PlanError(f"--measured {run_dir}: the run was not trained in an AF layout (distributed.layout: {dist_cfg.get('layout', 'colocated')})")
+    if not plan.af.applicable:
+        raise PlanError(f"--measured: the plan has no AF split to compare ({plan.af.reason})")
+    A = dist_cfg.get("attention_ranks", 1)
+    split = next((sp for sp in plan.af.splits if sp.attention_gpus == A), None)
+    if split is None:
+        raise PlanError(f"--measured: the plan's {plan.af.gpus} GPUs have no split with {A} attention ranks (give --gpus the run's process count)")
+    return compare(split, dist_cfg.get("af_schedule", "sequential"), MetricsFile(metrics).read(), plan.af.stage)
 
 
 def cmd_prepare_data(args) -> int:

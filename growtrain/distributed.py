@@ -22,6 +22,16 @@ What each rank does differently from a single process:
 - failures: a rank that fails writes its message under `run_dir/.rank-errors/`; the others, whose
   next collective then fails, report that message (or that a peer died) instead of hanging.
 
+Under `distributed.layout: af` (growtrain/model/af.py) the ranks split in two: attention ranks
+0..A-1 read the batch's rows (B / A each), hold everything but the routed experts, and reduce the
+dense gradients and own their ZeRO-1 state among themselves (a group of their own); expert ranks
+A..W-1 hold E / F of every MoE layer's experts (F = W - A) and nothing else (their dense tensors
+are on the meta device: any use of one fails), read no data, and serve the attention ranks' MoE
+calls. An expert's gradient sums every attention rank's tokens and is divided by A; the clip norm
+sums every rank's owned share as above. Growth gathers the whole model on every rank. Under
+`af_schedule: pingpong` the attention ranks form two lanes (even, odd ranks), each with a group of
+its own holding every expert rank; an expert rank serves the lanes in turn (model/af.py).
+
 Legend: W ranks.
 """
 
@@ -41,25 +51,36 @@ from torch import nn
 from growtrain import collective_guard
 from growtrain.expert_shards import is_expert_tensor, slice_entry
 from growtrain.model import GrowLM
+from growtrain.model.af import AFGroup, shard_af_model
 from growtrain.model.expert_parallel import EPGroup, shard_experts
 from growtrain.optim import ParamState
-from growtrain.recipe import DistributedConfig
+from growtrain.recipe import DistributedConfig, RecipeError
 
 
 def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
     """What a launch over `world_size` processes (expert parallelism: each rank trains
-    batch_size / W rows and holds E / W experts) needs of the recipe, all problems at once;
+    batch_size / W rows and holds E / W experts; AF layout: each of the A attention ranks trains
+    batch_size / A rows, each of the W - A expert ranks holds E / (W - A) experts) needs of the
+    recipe, all problems at once;
     `shapes` are the stages' model configs (stages.plan_stage_models)."""
     W = world_size
     if W == 1:
         return []
     problems = []
+    rows, experts, what, readers = W, W, "expert-parallel ranks", "ranks"
+    if recipe.distributed.layout == "af":
+        A = recipe.distributed.attention_ranks
+        if not A < W:
+            return [f"distributed.attention_ranks {A}: an AF layout of {W} ranks needs 1..{W - 1} attention ranks (the rest hold the experts)"]
+        rows, experts, what, readers = A, W - A, "expert ranks", "attention ranks"
+        if recipe.distributed.af_schedule == "pingpong" and A < 2:
+            problems.append(f"distributed.af_schedule: pingpong needs 2+ attention ranks (two lanes), attention_ranks is {A}")
     for stage, shape in zip(recipe.stages, shapes):
-        if stage.batch_size % W:
-            problems.append(f"stages '{stage.name}': batch_size {stage.batch_size} does not divide over {W} ranks (each trains its share of the rows)")
-        if shape.moe is not None and shape.moe_layers and shape.moe.num_experts % W:
-            problems.append(f"stages '{stage.name}': {shape.moe.num_experts} experts do not divide over {W} expert-parallel ranks")
-    if any(stage.grow for stage in recipe.stages) and recipe.invariance.probe_batch_size < W:
+        if stage.batch_size % rows:
+            problems.append(f"stages '{stage.name}': batch_size {stage.batch_size} does not divide over {rows} {readers} (each trains its share of the rows)")
+        if shape.moe is not None and shape.moe_layers and shape.moe.num_experts % experts:
+            problems.append(f"stages '{stage.name}': {shape.moe.num_experts} experts do not divide over {experts} {what}")
+    if recipe.distributed.layout == "colocated" and any(stage.grow for stage in recipe.stages) and recipe.invariance.probe_batch_size < W:
         problems.append(
             f"invariance.probe_batch_size {recipe.invariance.probe_batch_size} is smaller than the {W} ranks "
             "(growth on expert shards checks each rank on its share of the probe rows)"
@@ -67,6 +88,37 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
     if recipe.optimizer.dense_state_bits == 8:
         problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
     return problems
+
+def resolve_attention_ranks(recipe, shapes, world_size: int):
+    """`recipe` with distributed.attention_ranks: auto replaced by the planner's choice for
+    `world_size` processes (the fastest split that fits on the distributed.hardware preset, among
+    those the recipe divides over: world_size_problems), and a line saying so; unchanged (and
+    None) where there is nothing to resolve. RecipeError where no split works."""
+    from dataclasses import replace
+
+    cfg = recipe.distributed
+    if cfg.layout != "af" or cfg.attention_ranks != "auto" or world_size < 2:
+        return recipe, None
+    from growtrain.planning import PlanError, get_hardware, plan_recipe
+
+    try:
+        plan = plan_recipe(recipe, get_hardware(cfg.hardware, gpus_per_node=world_size, nodes=1))
+    except PlanError as exc:
+        raise RecipeError([f"distributed.attention_ranks: auto: the planner cannot place the recipe on {world_size} x {cfg.hardware}: {exc}"]) from None
+    if not plan.af.applicable:
+        raise RecipeError([f"distributed.attention_ranks: auto: no AF split to choose ({plan.af.reason}); give a number"])
+    tried = []
+    for split in sorted(plan.af.splits, key=lambda s: (not s.fits, s.step_time_s)):
+        chosen = replace(recipe, distributed=replace(cfg, attention_ranks=split.attention_gpus))
+        problems = world_size_problems(chosen, shapes, world_size)
+        if not problems:
+            return chosen, (
+                f"distributed.attention_ranks: auto -> {split.attention_gpus} (the planner's {'fastest' if not tried else 'fastest workable'} split on "
+                f"{world_size} x {cfg.hardware}, stage '{plan.af.stage}': {split.step_time_s:.3g} s per step{'' if split.fits else ', over capacity'})"
+            )
+        tried.append(f"{split.attention_gpus} attention ranks: {problems[0]}")
+    raise RecipeError(["distributed.attention_ranks: auto: no split of the ranks works for this recipe"] + tried)
+
 
 class PeerFailed(Exception):
     """Another rank failed or died; this rank stopped with its message."""
@@ -78,9 +130,18 @@ _STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "lr_mult", "wd_mult", "eps_mul
 class Dist:
     """One process's view of the run's processes. `Dist()` is the single-process case."""
 
-    def __init__(self, rank: int = 0, size: int = 1, combine: str = "overlapped"):
+    def __init__(
+        self, rank: int = 0, size: int = 1, combine: str = "overlapped", attention: int | None = None, dense_group=None, lanes: list | None = None
+    ):
         self.rank, self.size = rank, size
-        self.ep = EPGroup(rank, size, combine) if size > 1 else None
+        # layout: af: this rank's place, and the attention ranks' group (dense gradients, ZeRO-1)
+        self.af = AFGroup(rank, size, attention) if attention is not None else None
+        self.dense_group = dense_group
+        # The groups this rank's MoE calls go through: the layout's, or under af_schedule:
+        # pingpong its lane's (an attention rank) or every lane's, served in turn (an expert rank).
+        self.af_lanes: list[AFGroup] = lanes or ([self.af] if self.af is not None else [])
+        self.pingpong = bool(lanes)
+        self.ep = EPGroup(rank, size, combine) if size > 1 and self.af is None else None
         self._host_ep: EPGroup | None = None  # growth on the host's group, made at its first use
         self.timeout: datetime.timedelta | None = None  # distributed.timeout_s, for groups made later
         self.error_dir: Path | None = None
@@ -102,9 +163,30 @@ class Dist:
         # The launcher stops the survivors with SIGTERM when a rank dies: say so, not a bare kill.
         if threading_main():
             signal.signal(signal.SIGTERM, _raise_peer_failed)
-        d = cls(dist.get_rank(), dist.get_world_size(), cfg.combine)
+        attention = dense_group = lanes = None
+        rank = dist.get_rank()
+        if cfg.layout == "af":
+            attention = cfg.attention_ranks
+            if attention == "auto":
+                raise RecipeError(["distributed.attention_ranks: auto is resolved by resolve_attention_ranks before the process group is joined"])
+            if not attention < size:
+                raise RecipeError([f"distributed.attention_ranks {attention}: an AF layout of {size} ranks needs 1..{size - 1} attention ranks"])
+            if cfg.af_schedule == "pingpong" and attention < 2:
+                raise RecipeError([f"distributed.af_schedule: pingpong needs 2+ attention ranks (two lanes), attention_ranks is {attention}"])
+            dense_group = dist.new_group(ranks=list(range(attention)))  # every rank takes part in making each group
+            if cfg.af_schedule == "pingpong":
+                lanes = []
+                for lane in (0, 1):  # the even and the odd attention ranks, each lane with every expert rank
+                    members = [a for a in range(attention) if a % 2 == lane] + list(range(attention, size))
+                    group = dist.new_group(ranks=members)
+                    if rank in members:
+                        lanes.append(AFGroup(members.index(rank), len(members), len(members) - (size - attention), group))
+        d = cls(rank, dist.get_world_size(), cfg.combine, attention, dense_group, lanes)
         d.timeout = datetime.timedelta(seconds=cfg.timeout_s)
         collective_guard.install_from_env(d.device)  # GROWTRAIN_CHECK_COLLECTIVES=1: NCCL's rules on any backend
+        for group in [dense_group] + [lane.group for lane in lanes or []]:
+            if group is not None:
+                collective_guard.register_group(group, d.device)
         return d
 
     @property
@@ -114,6 +196,29 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_expert_side(self) -> bool:
+        """An AF layout's expert rank: it holds routed experts only and reads no data."""
+        return self.af is not None and not self.af.is_attention
+
+    @property
+    def data_ranks(self) -> int:
+        """How many ranks read rows of each batch and hold the dense parameters' state."""
+        return self.af.attention if self.af is not None else self.size
+
+    def expert_shard(self) -> tuple[int, int] | None:
+        """Which routed experts this rank loads from a checkpoint (load_checkpoint): (rank, size)
+        of the expert-parallel layout, or None on an AF attention rank."""
+        if self.af is None:
+            return self.rank, self.size
+        return None if self.af.is_attention else (self.rank - self.af.attention, self.af.expert_ranks)
+
+    def describe(self) -> str:
+        if self.af is not None:
+            schedule = ", ping-pong schedule (two lanes)" if self.pingpong else ", sequential schedule"
+            return f"AF layout: {self.af.attention} attention + {self.af.expert_ranks} expert ranks{schedule}"
+        return f"expert parallelism: {self.size} processes, {self.ep.combine} combine"
 
     def close(self) -> None:
         if self.active and dist.is_initialized():
@@ -125,24 +230,36 @@ class Dist:
         """This rank's rows [r0, r1) of a global batch (the recipe checks that batch sizes divide by W)."""
         if not self.active:
             return 0, batch_size
-        n = batch_size // self.size
+        if self.is_expert_side:
+            return 0, 0
+        n = batch_size // self.data_ranks
         return self.rank * n, (self.rank + 1) * n
 
     def mean(self, *values: float) -> list[float]:
-        """Each value averaged over the ranks (one all-reduce for all of them)."""
+        """Each value averaged over the ranks that read data (one all-reduce for all of them; an
+        AF expert rank's values count for nothing)."""
         if not self.active:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return (t / self.size).tolist()
+        return self.mean_tensor(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
 
     def mean_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` averaged over the ranks, on its device, without a host sync."""
+        """`t` averaged over the ranks that read data, on its device, without a host sync."""
         if not self.active:
             return t
         t = t.detach().clone()
+        if self.is_expert_side:
+            t.zero_()
         dist.all_reduce(t)
-        return t / self.size
+        return t / self.data_ranks
+
+    def af_means(self, ce: torch.Tensor, aux: torch.Tensor, wait_fraction: float) -> list[torch.Tensor]:
+        """AF layout: the losses averaged over the attention ranks, the attention ranks' mean
+        share of the passes spent waiting on the experts, and the expert ranks' mean share spent
+        idle (`wait_fraction`: this rank's), in one all-reduce."""
+        mine = [wait_fraction, 0.0] if self.af.is_attention else [0.0, wait_fraction]
+        v = torch.stack([ce.double(), aux.double(), *torch.tensor(mine, dtype=torch.float64, device=ce.device)])
+        dist.all_reduce(v)
+        return list((v / torch.tensor([self.af.attention] * 3 + [self.af.expert_ranks], dtype=torch.float64, device=v.device)).unbind(0))
 
     def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks, on its device, without a host sync."""
@@ -186,25 +303,45 @@ class Dist:
     # -- parameters and optimizer state ----------------------------------------------------------
 
     def owners(self, named_params: dict[str, nn.Parameter]) -> dict[str, int]:
-        return zero1_owners(named_params, self.size)
+        return zero1_owners(named_params, self.data_ranks)
 
     def owned(self, named_params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
-        """What this rank's optimizer steps: its experts and the dense parameters it owns."""
+        """What this rank's optimizer steps: its experts and the dense parameters it owns (in an
+        AF layout an attention rank owns no expert, an expert rank no dense parameter)."""
         if not self.active:
             return named_params
         self.owner_table = self.owners(named_params)  # what broadcast_dense sends, until the next growth
-        return {n: p for n, p in named_params.items() if is_expert_tensor(n) or self.owner_table.get(n) == self.rank}
+        if self.is_expert_side:
+            return {n: p for n, p in named_params.items() if is_expert_tensor(n)}
+        return {n: p for n, p in named_params.items() if (is_expert_tensor(n) and self.af is None) or self.owner_table.get(n) == self.rank}
 
     def sync_grads(self, model: nn.Module) -> None:
-        """Mean over ranks (mean_grads) of the trainable parameters' gradients."""
+        """Mean over ranks (mean_grads) of the trainable parameters' gradients; in an AF layout the
+        dense ones over the attention ranks, the experts' (every attention rank's tokens) divided by A."""
         if not self.active:
             return
-        mean_grads({n: p for n, p in model.named_parameters() if p.requires_grad}, self.size, self.device)
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if self.af is None:
+            mean_grads(named, self.size, self.device)
+        elif self.is_expert_side:
+            scale_expert_grads({n: p for n, p in named.items() if is_expert_tensor(n)}, self.af.attention)
+        else:
+            mean_grads({n: p for n, p in named.items() if not is_expert_tensor(n)}, self.af.attention, self.device, group=self.dense_group)
+
+    def global_loads(self, loads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The MoE layers' loads over the whole batch (the balance biases' update): under the
+        ping-pong schedule each lane's calls count its lane's tokens only, so the lanes' loads are
+        summed (each rank's share 1 / its lane's size, in the attention ranks' group)."""
+        if not self.pingpong or self.is_expert_side or not loads:
+            return loads
+        flat = torch.stack(loads) / self.af_lanes[0].attention
+        dist.all_reduce(flat, group=self.dense_group)
+        return list(flat.unbind(0))
 
     def sum_squares(self, sq: torch.Tensor) -> torch.Tensor:
         """The global squared gradient norm from each rank's owned share."""
         if self.active:
-            sq = sq.detach().to(torch.float64).reshape(1).clone()
+            sq = sq.detach().to(self.device, torch.float64).reshape(1).clone()  # (a rank without gradients has a CPU zero)
             dist.all_reduce(sq)
             sq = sq.reshape(())
         return sq
@@ -212,16 +349,16 @@ class Dist:
     @torch.no_grad()
     def broadcast_dense(self, model: nn.Module) -> None:
         """After the step: each owner sends the dense parameters it stepped to every rank."""
-        if not self.active:
+        if not self.active or self.is_expert_side:
             return
         named = dict(model.named_parameters())
         table = self.owner_table
-        for owner in range(self.size):
+        for owner in range(self.data_ranks):  # AF: attention rank a is global rank a
             params = [named[n] for n in sorted(table) if table[n] == owner]
             if not params:
                 continue
             flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-            dist.broadcast(flat, src=owner)
+            dist.broadcast(flat, src=owner, group=self.dense_group)
             offset = 0
             for p in params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
@@ -230,7 +367,25 @@ class Dist:
     # -- growth: gather, grow, re-shard ----------------------------------------------------------
 
     def shard(self, model: nn.Module) -> nn.Module:
-        return shard_experts(model, self.ep) if self.active else model
+        """`model` cut to this rank's part, in place: its experts (expert parallelism), or its side
+        of the AF layout (an expert rank's dense tensors moved to the meta device)."""
+        if not self.active:
+            return model
+        if self.af is None:
+            return shard_experts(model, self.ep)
+        shard_af_model(model, self.af_lanes[0])  # an attention rank's calls go to its lane
+        return to_meta_except_experts(model) if self.is_expert_side else model
+
+    def local_model_state(self, loaded: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+        """A loaded (dense + this rank's experts) state completed for `model` as shard() cut it: an
+        AF attention rank's experts are empty, an expert rank's dense tensors stay on meta."""
+        if self.af is None:
+            return loaded
+        own = model.state_dict()
+        if self.is_expert_side:
+            return {n: loaded[n] if on_expert_side(n) else t for n, t in own.items()}
+        where = next(iter(loaded.values())).device  # with the loaded tensors (the trainer moves them all to its device)
+        return {n: torch.empty(t.shape, dtype=t.dtype, device=where) if is_expert_tensor(n) else loaded[n] for n, t in own.items()}
 
     def shard_state(self, state: dict, named_params: dict[str, nn.Parameter], experts_sharded: bool = False) -> dict:
         """A name-keyed optimizer state (ParamState values) cut to what this rank owns: its dense
@@ -239,7 +394,8 @@ class Dist:
         if not self.active:
             return state
         owned = self.owned(named_params)
-        cut = (lambda s: s) if experts_sharded else (lambda s: ParamState(**slice_entry(_fields(s), self.rank, self.size)))
+        rank, size = (self.rank - self.af.attention, self.af.expert_ranks) if self.af is not None else (self.rank, self.size)
+        cut = (lambda s: s) if experts_sharded else (lambda s: ParamState(**slice_entry(_fields(s), rank, size)))
         return {n: cut(s) if is_expert_tensor(n) else s for n, s in state.items() if n in owned}
 
     @torch.no_grad()
@@ -251,7 +407,20 @@ class Dist:
         if not self.active:
             return model, state
         full = {}
-        for name, t in model.state_dict().items():
+        own = model.state_dict()
+        if self.af is not None:
+            # Every tensor from the ranks that hold it: the dense ones from attention rank 0 (the
+            # expert ranks have them on meta), each expert tensor from the expert ranks in order.
+            shapes: list = [None] * self.size
+            dist.all_gather_object(shapes, {n: tuple(t.shape) for n, t in own.items() if is_expert_tensor(n)})
+            for name, t in own.items():
+                if is_expert_tensor(name):
+                    parts = [broadcast_field(t if self.rank == r else None, _TensorLayout(shapes[r][name], t.dtype), r, self.device)
+                             for r in range(self.af.attention, self.size)]
+                    full[name] = torch.cat(parts).to(t.device)
+                else:
+                    full[name] = broadcast_field(t if self.rank == 0 else None, _TensorLayout(tuple(t.shape), t.dtype), 0, self.device)
+        for name, t in own.items() if self.af is None else ():
             if is_expert_tensor(name):
                 parts = [torch.empty_like(t) for _ in range(self.size)]
                 dist.all_gather(parts, t.contiguous())
@@ -278,8 +447,9 @@ class Dist:
         for name in sorted({n for lay in layouts for n in lay}):
             holders = [r for r, lay in enumerate(layouts) if name in lay]
             expert = is_expert_tensor(name)
-            if expert and len(holders) != self.size:
-                raise ValueError(f"optimizer state of expert tensor {name} is on ranks {holders} only, not on all {self.size}")
+            expected = list(range(self.af.attention, self.size)) if self.af is not None else list(range(self.size))
+            if expert and holders != expected:
+                raise ValueError(f"optimizer state of expert tensor {name} is on ranks {holders}, not on ranks {expected}")
             fields = {}
             for k in _STATE_FIELDS:
                 kinds = [layouts[r][name][k] for r in holders]
@@ -291,8 +461,11 @@ class Dist:
                 elif expert and first.shape:  # every rank's slice of the expert dim, in rank order
                     if any(v != first for v in kinds):
                         raise ValueError(f"expert shards of {name}.{k} differ in layout: {kinds}")
-                    parts = [torch.empty(first.shape, dtype=first.dtype, device=self.device) for _ in range(self.size)]
-                    dist.all_gather(parts, getattr(state[name], k).contiguous())
+                    if self.af is not None:  # the expert ranks' slices, one broadcast each
+                        parts = [broadcast_field(getattr(state[name], k) if self.rank == r else None, first, r, self.device) for r in holders]
+                    else:
+                        parts = [torch.empty(first.shape, dtype=first.dtype, device=self.device) for _ in range(self.size)]
+                        dist.all_gather(parts, getattr(state[name], k).contiguous())
                     fields[k] = torch.cat(parts)
                 else:  # dense (one holder), or a 0-d tensor shared by the expert slices: the first holder's
                     src = holders[0]
@@ -386,11 +559,37 @@ def mean_grads(named: dict[str, nn.Parameter], size: int, device: torch.device |
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).to(p.dtype) if flag > 0 else None
             offset += n
-    for n, p in named.items():
-        if is_expert_tensor(n):
-            # A rank whose experts got no token this step has no gradient for them; in one
-            # process the stacked tensor always has one (zero rows), and Adam steps it.
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(size)
+    scale_expert_grads({n: p for n, p in named.items() if is_expert_tensor(n)}, size)
+
+
+def scale_expert_grads(named: dict[str, nn.Parameter], size: int) -> None:
+    """Expert gradients (one replica each, summed over `size` ranks' tokens) divided by `size`."""
+    for p in named.values():
+        # A rank whose experts got no token this step has no gradient for them; in one
+        # process the stacked tensor always has one (zero rows), and Adam steps it.
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(size)
+
+
+def on_expert_side(name: str) -> bool:
+    """A tensor an AF expert rank holds: an expert tensor, or a table of an experts module (NF4
+    code books), which the rank's expert calls read."""
+    return "experts" in name.split(".")[:-1]
+
+
+def to_meta_except_experts(model: nn.Module) -> nn.Module:
+    """An AF expert rank's model, in place: every parameter and buffer off the expert side moved
+    to the meta device (shapes, dtypes and trainable flags kept; tied tensors stay tied)."""
+    moved: dict[int, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in list(table.items()):
+                if t is None or on_expert_side(f"{prefix}.{key}" if prefix else key) or t.is_meta:
+                    continue
+                if id(t) not in moved:
+                    meta = torch.empty_like(t, device="meta")
+                    moved[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                table[key] = moved[id(t)]
+    return model
 
 
 def is_peer_failure(exc: BaseException) -> bool:

@@ -121,9 +121,31 @@ def inspect_report(path: Path) -> dict:
         "stages": [{"name": s["name"], "steps": s["steps"]} for s in meta["recipe"]["stages"]],
         "wandb_id": meta.get("wandb_id"),
         "data_position": meta.get("data_position"),  # None in checkpoints from before it was recorded
-        "expert_parallel": (meta.get("expert_parallel") or {}).get("size", 1),  # processes that saved it
+        "expert_parallel": (meta.get("expert_parallel") or {}).get("size", 1),  # ranks that saved its experts
+        "layout": _layout(meta.get("expert_parallel")),
         "transitions": transitions,
     }
+
+
+def _layout(saved: dict | None) -> dict:
+    """How the processes that saved a checkpoint were laid out."""
+    if not saved:
+        return {"name": "single", "processes": 1}
+    if saved.get("layout") == "af":
+        A, F = saved["attention_ranks"], saved["size"]
+        return {"name": "af", "processes": A + F, "attention_ranks": A, "expert_ranks": F}
+    return {"name": "colocated", "processes": saved["size"]}
+
+
+def _saved_by(r: dict) -> str:
+    lay = r["layout"]
+    anywhere = "loads in either layout at any size that divides the experts"
+    if lay["name"] == "af":
+        return (f"{lay['processes']} processes in an AF layout ({lay['attention_ranks']} attention + {lay['expert_ranks']} expert ranks; "
+                f"experts in per-rank shard files; {anywhere})")
+    if lay["name"] == "colocated":
+        return f"{lay['processes']} processes (experts in per-rank shard files; {anywhere})"
+    return "1 process"
 
 
 def format_report(r: dict) -> str:
@@ -142,7 +164,7 @@ def format_report(r: dict) -> str:
         f"loss        {r['loss']:.4f} (eval {r['eval_loss']:.4f})",
         f"wandb id    {r['wandb_id'] or '-'}",
         *([f"data        epoch {d['epoch']}, {d['shard']} at token {d['offset']:,} (stream position {d['cursor']:,})"] if (d := r["data_position"]) else []),
-        f"saved by    {r['expert_parallel']} process(es)" + (" (experts in per-rank shard files; loads at any EP size that divides them)" if r["expert_parallel"] > 1 else ""),
+        f"saved by    {_saved_by(r)}",
         "",
         "growth history:" if r["transitions"] else "growth history: none yet",
     ]

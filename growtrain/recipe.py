@@ -165,6 +165,37 @@ class DistributedConfig:
     timeout_s: int = field(
         default=600, metadata={"doc": "A collective waiting longer than this on a stuck rank fails the run (seconds).", "ge": 10}
     )
+    layout: Literal["colocated", "af"] = field(
+        default="colocated",
+        metadata={
+            "doc": "colocated: every rank holds a share of the experts and trains its rows of the batch (expert parallelism). "
+            "af: attention/expert disaggregation: the first attention_ranks ranks hold everything but the routed experts "
+            "(data parallel among themselves), the others the routed experts (README: AF mode). A runtime choice: a resume "
+            "may change it (checkpoints load in either layout)."
+        },
+    )
+    attention_ranks: int | Literal["auto"] = field(
+        default=1,
+        metadata={
+            "doc": "layout: af: how many ranks (the first ones) are attention ranks; the rest hold the experts. auto: the "
+            "planner's fastest split that fits (growtrain plan, last stage) on the `hardware` preset with as many GPUs as "
+            "processes, among those the recipe divides over.",
+            "ge": 1,
+        },
+    )
+    hardware: str = field(
+        default="h100-80gb",
+        metadata={"doc": "The planner's hardware preset for attention_ranks: auto (a100-80gb, h100-80gb, h200-141gb, b200)."},
+    )
+    af_schedule: Literal["sequential", "pingpong"] = field(
+        default="sequential",
+        metadata={
+            "doc": "layout: af: sequential: every attention rank makes each MoE call together, the expert ranks serve them "
+            "at once (each side idles while the other computes; the co-located run's numbers). pingpong: the attention "
+            "ranks in two lanes (even and odd ranks, 2+ attention ranks), the expert ranks serving one lane's call while "
+            "the other lane computes its attention; the balance loss then takes each lane's load (README: AF mode)."
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -521,7 +552,13 @@ class _Ctx:
         if origin in (typing.Union, types.UnionType):
             if value is None and type(None) in args:
                 return None
-            (inner,) = [a for a in args if a is not type(None)]
+            members = [a for a in args if a is not type(None)]
+            named = [a for a in members if typing.get_origin(a) is Literal]
+            if len(members) > 1 and named:  # an int or a named value ('auto'): a string means the name
+                return self.convert(named[0], value, path) if isinstance(value, str) else self.convert(
+                    next(a for a in members if a not in named), value, path
+                )
+            (inner,) = members
             return self.convert(inner, value, path)
         if hint is Any:
             return value

@@ -26,15 +26,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, LoadedCheckpoint, file_entry, shard_file_name, write_shard_file
+from growtrain.checkpoint import (
+    CheckpointConfig, CheckpointError, CheckpointManager, LoadedCheckpoint, dense_state_file_name, file_entry, shard_file_name, write_shard_file,
+)
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
-from growtrain.distributed import Dist, is_peer_failure, world_size_problems
+from growtrain.distributed import Dist, is_peer_failure, resolve_attention_ranks, world_size_problems
 from growtrain.expert_shards import is_expert_tensor
 from growtrain import collective_guard, memtrace
 from growtrain.memory import host_available_bytes
 from growtrain.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
+from growtrain.model.af import clock as af_clock, end_calls, serve_calls
 from growtrain.model.expert_parallel import use_group
 from growtrain.optim import to_device
 from growtrain.optim_registry import build_optimizer
@@ -252,14 +255,19 @@ def _tensors_in(obj, prefix: str):
 class Run:
     def __init__(self, recipe: Recipe, run_dir: Path, log=print):
         # Under torchrun every rank runs this file; rank 0 alone logs, tracks and writes metrics.
+        # distributed.attention_ranks: auto is the planner's, the same on every rank.
+        shapes = plan_stage_models(recipe.model, [s.grow for s in recipe.stages])
+        recipe, chosen = resolve_attention_ranks(recipe, shapes, int(os.environ.get("WORLD_SIZE", "1")))
         self.dist = Dist.from_env(recipe.distributed)
         self.recipe = recipe
         self.run_dir = Path(run_dir)
         self.log = log if self.dist.is_main else (lambda *a, **k: None)
+        if chosen:
+            self.log(chosen)
         self.plain = to_plain(recipe)
         self.ckpt = CheckpointManager(
-            self.run_dir, recipe.checkpoint, self.log, expert_shard=(self.dist.rank, self.dist.size),
-            combine=self.dist.all_problems if self.dist.active else None,
+            self.run_dir, recipe.checkpoint, self.log, expert_shard=self.dist.expert_shard(),
+            combine=self.dist.all_problems if self.dist.active else None, part=(self.dist.rank, self.dist.size),
         )
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl")
         tracking = recipe.tracking if self.dist.is_main else replace(recipe.tracking, wandb=replace(recipe.tracking.wandb, mode="disabled"))
@@ -315,7 +323,8 @@ class Run:
         # (at scale, initialising and quantizing the experts takes longer than reading them).
         with torch.device("meta"):
             model = self.dist.shard(GrowLM(shapes[pos.stage]))
-        model.load_state_dict({n: _owning(t.to(self.device)) for n, t in loaded.model_state.items()}, strict=True, assign=True)
+        state = self.dist.local_model_state(loaded.model_state, model)  # AF: what this side does not hold stays empty / meta
+        model.load_state_dict({n: t if t.is_meta else _owning(t.to(self.device)) for n, t in state.items()}, strict=True, assign=True)
         self.model = model
         self.optimizer = build_optimizer(self.dist.owned(dict(self.model.named_parameters())), self.recipe.optimizer)
         owned = {n: v for n, v in loaded.trainer_state["optimizer"].items() if n in self.optimizer.params}
@@ -347,9 +356,9 @@ class Run:
         host sync). Finite gradients can still give non-finite weights (an LR or multiplier that
         overflows the update); undoing the update would need a second copy of the weights and
         optimizer state, so such a step stops the run before anything of it is checkpointed."""
-        params = [p for p in self.model.parameters() if p.is_floating_point() and p.numel()]
-        if not params:
-            return torch.zeros((), dtype=torch.float64)
+        params = [p for p in self.model.parameters() if p.is_floating_point() and p.numel() and not p.is_meta]
+        if not params:  # a rank without any (an AF expert rank in a dense stage) still takes part in the sum
+            return self.dist.sum_tensor(torch.zeros((), dtype=torch.float64, device=self.dist.device if self.dist.active else self.device))
         bad = _finite_flags(params).logical_not().sum().double()
         return self.dist.sum_tensor(bad)
 
@@ -392,7 +401,7 @@ class Run:
             "rng": {"torch": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {})},
             "bad_steps": pos.bad_steps,
         }
-        model_state = self.model.state_dict()
+        model_state = {n: t for n, t in self.model.state_dict().items() if not t.is_meta}  # AF expert rank: its experts only
         # The last line of defence: whatever produced it, a non-finite state is never saved (a
         # resume would load it and train on NaNs).
         bad = nonfinite_tensors(model_state.items()) + nonfinite_tensors(_tensors_in(trainer_state["optimizer"], "optimizer"))
@@ -405,18 +414,34 @@ class Run:
         if self.dist.active:
             # Rank 0's files hold the replicated state; each rank adds its experts and its share of
             # the optimizer state, with the EP layout, so any EP size can load it (expert_shards.py).
-            shard = {
-                "ep_rank": self.dist.rank,
-                "ep_size": self.dist.size,
-                "model": {n: t for n, t in model_state.items() if is_expert_tensor(n)},
-                "optimizer": trainer_state.pop("optimizer"),
-            }
-            trainer_state["optimizer"] = {}
+            # AF: the expert ranks write the expert shards (an EP layout of F ranks), the attention
+            # ranks their dense optimizer shares; either layout loads it (checkpoint.py).
+            experts = {n: t for n, t in model_state.items() if is_expert_tensor(n)}
             model_state = {n: t for n, t in model_state.items() if not is_expert_tensor(n)}
-            meta["expert_parallel"] = {"size": self.dist.size, "files": [shard_file_name(r, self.dist.size) for r in range(self.dist.size)]}
-            write_shards = lambda tmp: self._write_shards(tmp, shard)  # noqa: E731
+            optimizer_share = trainer_state.pop("optimizer")
+            trainer_state["optimizer"] = {}
+            af = self.dist.af
+            if af is None:
+                name = shard_file_name(self.dist.rank, self.dist.size)
+                shard = {"ep_rank": self.dist.rank, "ep_size": self.dist.size, "model": experts, "optimizer": optimizer_share}
+                meta["expert_parallel"] = {"size": self.dist.size, "files": [shard_file_name(r, self.dist.size) for r in range(self.dist.size)]}
+            else:
+                n_expert = af.expert_ranks
+                if af.is_attention:
+                    name, shard = dense_state_file_name(self.dist.rank, af.attention), {"optimizer": optimizer_share}
+                else:
+                    name = shard_file_name(self.dist.rank - af.attention, n_expert)
+                    shard = {"ep_rank": self.dist.rank - af.attention, "ep_size": n_expert, "model": experts, "optimizer": optimizer_share}
+                meta["expert_parallel"] = {
+                    "size": n_expert,
+                    "files": [shard_file_name(f, n_expert) for f in range(n_expert)],
+                    "dense_files": [dense_state_file_name(a, af.attention) for a in range(af.attention)],
+                    "layout": "af",
+                    "attention_ranks": af.attention,
+                }
+            write_shards = lambda tmp: self._write_shards(tmp, name, shard)  # noqa: E731
             if not self.dist.is_main:
-                self._write_shards(None, shard)
+                self._write_shards(None, name, shard)
                 self.dist.barrier()  # rank 0 has renamed the checkpoint into place
                 return
         path = self.ckpt.save(
@@ -432,7 +457,7 @@ class Run:
         self.dist.barrier()
         self.console.write(f"checkpoint {path.name}{' (stage end)' if stage_end else ' (after growth)' if grown else ''}")
 
-    def _write_shards(self, tmp: Path | None, shard: dict) -> dict[str, dict]:
+    def _write_shards(self, tmp: Path | None, name: str, shard: dict) -> dict[str, dict]:
         """Every rank writes its expert shard into rank 0's temporary checkpoint dir and hashes it,
         all at once (rank 0 would otherwise hash every shard after the others: ~117 GB at the
         120B recipe's last stage); rank 0 gets every shard's manifest entry."""
@@ -440,7 +465,6 @@ class Run:
 
         where = [str(tmp) if tmp is not None else None]
         dist.broadcast_object_list(where, src=0)
-        name = shard_file_name(self.dist.rank, self.dist.size)
         path = Path(where[0]) / name
         write_shard_file(path, shard)
         entries: list = [None] * self.dist.size
@@ -448,7 +472,11 @@ class Run:
         return dict(entries)
 
     def num_parameters(self) -> int:
-        """The whole model's count (a rank holds 1/W of the experts)."""
+        """The whole model's count (a rank holds 1/W of the experts; in an AF layout, counted on a
+        meta copy of the whole model)."""
+        if self.dist.af is not None:
+            with torch.device("meta"):
+                return sum(p.numel() for p in GrowLM(self.model.config).parameters())
         return sum(p.numel() * (self.dist.size if is_expert_tensor(n) else 1) for n, p in self.model.named_parameters())
 
     def _check_parallel(self, shapes: list[ModelConfig]) -> None:
@@ -507,7 +535,9 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.dist.clear_failures()
         if self.dist.active:
-            self.log(f"expert parallelism: {self.dist.size} processes, {recipe.distributed.combine} combine")
+            self.log(self.dist.describe())
+        elif recipe.distributed.layout == "af":
+            self.log("warning: distributed.layout: af needs several processes (torchrun); one process holds everything")
         loaded = self._find_checkpoint(resume)
         self.wandb_id = None
         if loaded is not None:
@@ -606,7 +636,7 @@ class Run:
         # (stages/sharding.py; the optimizer state stays this rank's share: its experts and the
         # dense entries it owns), else on the gathered model, grown identically on every rank and
         # re-sharded.
-        on_shards = self.dist.active and all(get_operator(s.op).runs_sharded(s.args) for s in stage.grow)
+        on_shards = self.dist.active and self.dist.af is None and all(get_operator(s.op).runs_sharded(s.args) for s in stage.grow)
         on_host = self._grows_on_host(stage, before, on_shards or not self.dist.active)
         ep = self.dist.ep
         if on_host:
@@ -625,7 +655,9 @@ class Run:
         if on_shards:
             model, state = self.model, self.optimizer.state
         else:
-            if self.dist.active:
+            if self.dist.af is not None:
+                self.console.write(f"growth [{stage.name}]: gathering the whole model on every rank (the AF layout does not grow on its shards yet)")
+            elif self.dist.active:
                 unsharded = [s.op for s in stage.grow if not get_operator(s.op).runs_sharded(s.args)]
                 self.console.write(f"growth [{stage.name}]: gathering the whole model on every rank ({', '.join(unsharded)} cannot grow expert shards yet)")
             model, state = self.dist.gather_full(self.model, self.optimizer.state)
@@ -684,11 +716,24 @@ class Run:
             self.tracker.log_metrics(router_kl, pos.global_step)
         maybe_fault("after_transition")
 
+    def _evaluate(self, evals, precision: str) -> float:
+        """This rank's eval loss; an AF expert rank serves the attention ranks' calls (and counts 0)."""
+        if self.dist.is_expert_side:
+            serve_calls(self.model.moe_layers, self.dist.af_lanes, self.device)
+            return 0.0
+        loss = evaluate(self.model, evals, precision)
+        if self.dist.af is not None:
+            end_calls(self.dist.af_lanes[0], self.device)
+        return loss
+
     def _train_stage(self, pos: Position, stage: StageConfig, corpus: Corpus) -> None:
         recipe = self.recipe
         precision = recipe.train.precision
         rows = self.dist.row_range(stage.batch_size)  # this rank reads only its rows of each batch
-        evals = [(self.to_device(x), self.to_device(y)) for x, y in eval_batches(corpus.eval, stage.batch_size, stage.seq_len, recipe.train.eval_batches, rows)]
+        expert_side = self.dist.is_expert_side  # AF expert rank: reads no data, serves the MoE calls
+        evals = [] if expert_side else [
+            (self.to_device(x), self.to_device(y)) for x, y in eval_batches(corpus.eval, stage.batch_size, stage.seq_len, recipe.train.eval_batches, rows)
+        ]
         tokens_per_step = stage.batch_size * stage.seq_len * stage.grad_accum
         self.console.write(
             f"stage {pos.stage + 1}/{len(recipe.stages)} '{stage.name}': {self.num_parameters():,} params, "
@@ -704,7 +749,12 @@ class Run:
             # MoE layers or the micro-batches (DESIGN.md §15).
             ce_acc = aux_acc = None
             loads = None
-            for _ in range(stage.grad_accum):
+            af_clock.reset()
+            t_passes = time.perf_counter()
+            if expert_side:  # every micro-batch's MoE calls, forward and backward, until the attention ranks end the step
+                serve_calls(self.model.moe_layers, self.dist.af_lanes, self.device)
+                ce_acc = aux_acc = torch.zeros((), dtype=torch.float64, device=self.device)
+            for _ in range(0 if expert_side else stage.grad_accum):
                 inputs, targets = self.stream.next_batch(stage.batch_size, stage.seq_len, rows)
                 ce, aux, stats = forward_loss(self.model, self.to_device(inputs), self.to_device(targets), precision)
                 ((ce + aux) / stage.grad_accum).backward()
@@ -712,16 +762,25 @@ class Run:
                 ce_acc = ce_part if ce_acc is None else ce_acc + ce_part
                 aux_acc = aux_part if aux_acc is None else aux_acc + aux_part
                 loads = [s.load for s in stats] if loads is None else [a + s.load for a, s in zip(loads, stats)]
+            if self.dist.af is not None and not expert_side:
+                end_calls(self.dist.af_lanes[0], self.device)
+            loads = self.dist.global_loads(loads)
+            passes_s = time.perf_counter() - t_passes  # the step's forward and backward passes, on this rank
             self.dist.sync_grads(self.model)
-            ce_acc, aux_acc = self.dist.mean_tensor(torch.stack([ce_acc, aux_acc])).unbind(0)
+            if self.dist.af is None:
+                ce_acc, aux_acc = self.dist.mean_tensor(torch.stack([ce_acc, aux_acc])).unbind(0)
+                waits = []
+            else:  # and each side's share of the passes spent waiting on the other (af.AFClock)
+                ce_acc, aux_acc, *waits = self.dist.af_means(ce_acc, aux_acc, af_clock.wait_s / max(passes_s, 1e-9))
             maybe_fault("step_mid")
             # Measured in the seed model's parametrization (per-element weights set by growth), so
             # clipping scales a grown model's step as it would have scaled the ungrown one's.
             norm_t = self.optimizer.clip_grad_norm_(recipe.optimizer.grad_clip, self.dist.sum_squares if self.dist.active else None)
             load_ratios = [(load.max() / load.mean().clamp_min(1e-9)).double() for load in loads or []]
             pending = self._bad_update if self._bad_update is not None else torch.zeros((), dtype=torch.float64, device=ce_acc.device)
-            numbers = torch.stack([ce_acc, aux_acc, norm_t.double().to(ce_acc.device), pending.to(ce_acc.device), *load_ratios]).tolist()
-            ce_sum, aux_sum, grad_norm, bad_update, *load_ratios = numbers
+            numbers = torch.stack([ce_acc, aux_acc, norm_t.double().to(ce_acc.device), pending.to(ce_acc.device), *waits, *load_ratios]).tolist()
+            ce_sum, aux_sum, grad_norm, bad_update, *rest = numbers
+            waits, load_ratios = rest[: len(waits)], rest[len(waits) :]
             if bad_update > 0:
                 self._raise_bad_update(pos.global_step, stage)
             finite = math.isfinite(ce_sum) and math.isfinite(aux_sum) and math.isfinite(grad_norm)
@@ -763,13 +822,16 @@ class Run:
                 "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
                 "skipped": not finite,
             }
+            if waits:  # AF layout: what the planner's pipeline model predicts (README: AF mode)
+                record["af/attention_wait_fraction"], record["af/expert_idle_fraction"] = waits
+                record["af/passes_s"] = passes_s
             t_last = now
             self.progress.step_done(pos.stage)
             if finite:
                 self.last_loss = ce_sum
             stage_end = pos.stage_step == stage.steps
             if stage_end or (recipe.train.eval_every and pos.global_step % recipe.train.eval_every == 0):
-                (self.last_eval,) = self.dist.mean(evaluate(self.model, evals, precision))
+                (self.last_eval,) = self.dist.mean(self._evaluate(evals, precision))
                 record["eval_loss"] = self.last_eval
             if self.dist.is_main:
                 self.metrics.append(record)
@@ -795,6 +857,8 @@ class Run:
                         wandb_metrics["perf/flops_utilisation"] = tflops / self.peak_tflops
                         gpu += f" fu {tflops / self.peak_tflops:.0%}"
                 evl = f" eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+                if waits:
+                    gpu += f" af wait {waits[0]:.0%} idle {waits[1]:.0%}"
                 self.console.write(
                     f"[{stage.name}] step {pos.global_step}/{self.console.total} loss {ce_sum:.4f}{evl} lr {lr:.2e} "
                     f"gnorm {grad_norm:.3f} tok/s {record['tokens_per_s']:,.0f} mem {rss_mb:,.0f}MB{gpu} "

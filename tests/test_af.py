@@ -1,8 +1,7 @@
 """Attention/expert disaggregation (issue 18), its first part: the MoE layers' exchange between
 attention ranks and expert ranks (growtrain/model/af.py), on CPU processes (gloo) with NCCL's
 rules checked: layers against the whole layers, and a whole reversible model's evaluation and
-training passes against one process. The trainer's AF layout (optimizer step, checkpoints,
-growth) and the micro-batch pipeline are not built yet."""
+training passes against one process. The trainer in an AF layout: tests/test_af_training.py."""
 
 from __future__ import annotations
 

@@ -25,8 +25,33 @@ a gradient, so that its backward sends the received rows' gradients back) and
 So an expert rank mirrors every MoE call of the attention ranks (the forward, a forward without
 gradients, the reversible backward's recompute) and every backward, in their order.
 
-Not here yet: the schedule that drives the expert ranks through a training step, the
-micro-batch pipeline, and the trainer's `distributed.layout: af` (issue 18 lists them).
+The schedule (the trainer's `distributed.layout: af`, `af_schedule`). A training pass of one
+micro-batch makes, per MoE block, three calls: the forward (without gradients: the reversible
+stack keeps no activations), the backward's recompute of the block (with gradients) and that
+recompute's backward; an evaluation makes the forward only. The expert ranks run the step by
+`serve_calls` and nothing else; the attention ranks end each step (and each evaluation) with
+`end_calls`.
+
+- sequential: every attention rank makes each call at once, the expert ranks serve all of their
+  rows in one exchange. Per call, with a the attention ranks' compute before it, e the expert
+  ranks' compute of its rows and x the transfers: the period is a + e + x; the expert ranks idle
+  a of it, the attention ranks wait e + x. The numbers are the co-located run's.
+- pingpong: the attention ranks in two lanes (even and odd ranks), each lane's calls in a group
+  of its own with every expert rank; the expert ranks serve lane 0's k-th event (a call's
+  forward or backward, or the end), then lane 1's, and so on (the lanes run the same model on as
+  many rows, so their events pair up). While the expert ranks serve one lane, the other computes
+  its attention: per pair of calls the period is max(a + (e + x) / 2, e + x), e and x halved per
+  lane; the bubble: the expert ranks idle max(0, a - (e + x) / 2) per pair, and each pass's first
+  call of lane 1 waits for lane 0's (fill), the last of lane 0 for nothing (drain, e / 2). Each
+  lane's calls see its lane's load only: the balance loss's f_e is the lane's (a micro-batch
+  level balance loss; the biases are updated from the lanes' loads summed, Dist.global_loads).
+  The planner's AF model (planning/disaggregation.py) takes max(a, e, x): two micro-batches in
+  flight on every attention rank, which needs a rank to run two passes at once (threads or
+  streams; on CUDA the autograd engine runs a device's backward on one thread, so two blocking
+  passes could wait on each other): not built.
+
+`clock` records each side's wait (the trainer logs af/attention_wait_fraction and
+af/expert_idle_fraction per step).
 
 Legend: S slots an attention rank sends (sorted by expert), R slots an expert rank receives,
 D d_model, E experts of the layer, L = E / F local experts, A attention ranks, F expert ranks.
@@ -35,6 +60,7 @@ D d_model, E experts of the layer, L = E / F local experts, A attention ranks, F
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,10 +123,26 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _ids = itertools.count()
 
 
+@dataclass
+class AFClock:
+    """Host seconds this process spent waiting on the other side since the last reset: on an
+    attention rank inside its MoE calls (the transfers and the expert ranks' compute), on an
+    expert rank for the next call's header (nothing to compute). Under NCCL the collectives run
+    asynchronously, so on a GPU these are launch-side times, not the device's."""
+
+    wait_s: float = 0.0
+
+    def reset(self) -> None:
+        self.wait_s = 0.0
+
+
+clock = AFClock()
+
+
 def _header(af: AFGroup, device: torch.device, values: tuple[int, ...] = (0,) * 6) -> tuple[int, ...]:
     mine = torch.tensor(values, dtype=torch.long, device=device)
     got = mine.clone()
-    dist.broadcast(got, src=0, group=af.group)
+    dist.broadcast(got, group_src=0, group=af.group)  # the group's first rank: attention rank 0 of its lane
     if af.is_attention and not torch.equal(got, mine):
         raise RuntimeError(
             f"AF layout: attention rank {af.rank} is at {_describe(mine.tolist())}, attention rank 0 at "
@@ -130,12 +172,14 @@ class _AttentionSide(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        t0 = time.perf_counter()
         af, send = ctx.af, ctx.send
         _header(af, grad_y.device, (BACKWARD, ctx.call, 0, 0, 0, 0))
         nothing = [0] * af.size
         dist.all_to_all_single(grad_y.new_empty((0, grad_y.shape[1])), grad_y.contiguous(), nothing, send, group=af.group)
         grad_x = grad_y.new_empty((sum(send), grad_y.shape[1]), dtype=ctx.x_dtype)  # the slots' dtype, as the expert ranks send it
         dist.all_to_all_single(grad_x, grad_x.new_empty((0, grad_y.shape[1])), send, nothing, group=af.group)
+        clock.wait_s += time.perf_counter() - t0
         return grad_x, None, None, None, None
 
 
@@ -143,6 +187,7 @@ def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup
     """On an attention rank: the routed experts' output for this rank's expert-sorted slots of
     MoE layer `layer` (its index among the model's MoE layers), computed on the expert ranks, and
     the global load [E]."""
+    t0 = time.perf_counter()
     W, A = af.size, af.attention
     E = counts_E.numel()
     call = next(_ids)
@@ -155,7 +200,9 @@ def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup
     for f in range(af.expert_ranks):
         lo, hi = af.experts_of(f, E)
         send[A + f] = int(counts_E[lo:hi].sum())
-    return _AttentionSide.apply(x_sorted_SD, af, send, call, out_dtype), counts_WE.sum(0)
+    y_SD = _AttentionSide.apply(x_sorted_SD, af, send, call, out_dtype)
+    clock.wait_s += time.perf_counter() - t0
+    return y_SD, counts_WE.sum(0)
 
 
 def end_calls(af: AFGroup, device: torch.device) -> None:
@@ -200,30 +247,46 @@ def serve(experts: nn.Module, backend: str, num_experts: int, d_model: int, af: 
     return ExpertCall(out_0D, counts_WE.sum(0))
 
 
-def serve_calls(moe_layers: list[nn.Module], af: AFGroup, device: torch.device) -> int:
+def serve_calls(moe_layers: list[nn.Module], lanes: AFGroup | list[AFGroup], device: torch.device) -> int:
     """On an expert rank: serve the attention ranks' MoE calls, forward and backward, as their
     headers announce them, until they end the step (end_calls). Returns the number of calls. A
     forward with gradients is kept until its backward comes; one still waiting at the end is an
-    error (its gradients would be lost)."""
-    pending: dict[int, ExpertCall] = {}
+    error (its gradients would be lost).
+
+    `lanes`: the layout's group, or the groups of a ping-pong schedule's lanes (each: one lane's
+    attention ranks and every expert rank), served in turn: the k-th event (a call's forward or
+    backward, or the end) of lane 0, then lane 1's k-th, and so on. Every lane runs the same
+    model on the same number of rows, so every lane has the same events; lanes that do not (one
+    ends while another calls) are an error."""
+    lanes = lanes if isinstance(lanes, list) else [lanes]
+    pending: dict[tuple[int, int], ExpertCall] = {}
     served = 0
     while True:
-        kind, call, layer, grad, dtype, autocast = _header(af, device)
-        if kind == END:
+        ended = []
+        for lane, af in enumerate(lanes):
+            t0 = time.perf_counter()
+            kind, call, layer, grad, dtype, autocast = _header(af, device)
+            clock.wait_s += time.perf_counter() - t0
+            ended.append(kind == END)
+            if kind == END:
+                continue
+            if kind == BACKWARD:
+                if (lane, call) not in pending:
+                    raise RuntimeError(f"AF layout: backward of call {call}, which was not served with gradients")
+                pending.pop((lane, call)).backward()
+                continue
+            moe = moe_layers[layer]
+            with torch.set_grad_enabled(bool(grad)), torch.autocast(device.type, enabled=bool(autocast)):
+                done = serve(moe.experts, moe.expert_backend, moe.num_experts, moe.router.weight.shape[1], af, _DTYPES[dtype], device)
+            served += 1
+            if grad:
+                pending[(lane, call)] = done
+        if any(ended):
+            if not all(ended):
+                raise RuntimeError(f"AF layout: lanes {[i for i, e in enumerate(ended) if e]} ended the step while the others still call")
             if pending:
-                raise RuntimeError(f"AF layout: the attention ranks ended the step with the backward of calls {sorted(pending)} not run")
+                raise RuntimeError(f"AF layout: the attention ranks ended the step with the backward of calls {sorted(c for _, c in pending)} not run")
             return served
-        if kind == BACKWARD:
-            if call not in pending:
-                raise RuntimeError(f"AF layout: backward of call {call}, which was not served with gradients")
-            pending.pop(call).backward()
-            continue
-        moe = moe_layers[layer]
-        with torch.set_grad_enabled(bool(grad)), torch.autocast(device.type, enabled=bool(autocast)):
-            done = serve(moe.experts, moe.expert_backend, moe.num_experts, moe.router.weight.shape[1], af, _DTYPES[dtype], device)
-        served += 1
-        if grad:
-            pending[call] = done
 
 
 def shard_af(moe: nn.Module, af: AFGroup, layer: int) -> nn.Module:

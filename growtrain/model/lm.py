@@ -123,8 +123,9 @@ class GrowLM(nn.Module):
 
     def set_expert_backend(self, setting: str) -> str:
         """Run every MoE layer on train.expert_backend `setting` ('auto' resolved for the device of
-        the model's parameters); returns the backend name it resolved to."""
-        device = next(self.parameters()).device
+        the model's parameters, those it holds: an AF expert rank's dense ones are on meta);
+        returns the backend name it resolved to."""
+        device = next((p.device for p in self.parameters() if not p.is_meta), torch.device("meta"))
         name = resolve_expert_backend(setting, device)
         for layer in self.moe_layers:
             layer.set_expert_backend(name)
