@@ -3,7 +3,9 @@
 3. the tiny recipe (shortened) trained on the device with `train.expert_backend: auto` (Triton on
    CUDA): every growth check passes; its losses follow a CPU fp32 run of the same recipe within
    LOSS_BAR (relative) over the first COMPARE_STEPS steps; killed once with kill -9 mid-run and
-   resumed, it repeats the uninterrupted device run's losses exactly; grown on the host
+   resumed, it repeats the uninterrupted device run's losses exactly (every run with
+   train.deterministic: true; the ops torch names as having no deterministic version are listed);
+   grown on the host
    (`train.grow_on: host`: model and optimizer state moved to host memory for each growth and
    back), its growth checks pass and its losses follow the device-grown run's within LOSS_BAR
    at every step (whether they are bit-equal is reported);
@@ -11,6 +13,9 @@
    recipe on one GPU of the matching preset (ratio reported, within +-25%);
 5. host syncs per training step: on CUDA counted by torch.cuda.set_sync_debug_mode("warn"), on the
    CPU by growtrain.host_syncs (the calls that would sync).
+
+On a GPU machine the five training runs go side by side (the CPU reference on 6 cores); on the
+CPU one at a time.
 
 `--device cpu` (what CI runs, so the script cannot rot without a GPU): the same checks on the CPU
 with the reference backend, on a shorter recipe (STEPS_CPU); the device run would be the CPU
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,7 +56,9 @@ KILL_AT_CPU = 28
 def recipe_sets(device: str, backend: str) -> list[str]:
     steps, warmup = (STEPS_CPU, WARMUP_CPU) if device == "cpu" else (STEPS, WARMUP)
     sets = ["--set", f"train.device={device}", "--set", f"train.expert_backend={backend}", "--set", "tracking.wandb.mode=disabled",
-            "--set", "train.log_every=5", "--set", "train.eval_every=25", "--set", "checkpoint.every_steps=25", "--set", "checkpoint.keep_last=10"]
+            "--set", "train.log_every=5", "--set", "train.eval_every=25", "--set", "checkpoint.every_steps=25", "--set", "checkpoint.keep_last=10",
+            # deterministic kernels: a resumed run must repeat the uninterrupted one's bits
+            "--set", "train.deterministic=true"]
     for i, name in enumerate(steps):
         sets += ["--set", f"stages.{i}.steps={steps[name]}", "--set", f"stages.{i}.schedule.warmup_steps={warmup[name]}"]
     return sets
@@ -58,15 +66,45 @@ def recipe_sets(device: str, backend: str) -> list[str]:
 
 def env(**extra) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "GROWTRAIN_"))}
-    # Deterministic GPU kernels: a resumed run must repeat the uninterrupted one's bits.
-    e.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    e.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     e.update(extra)
     return e
 
 
-def train(out: Path, device: str, backend: str, fault: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "growtrain", "run", "tiny", "--out", str(out), *recipe_sets(device, backend), *extra]
-    return subprocess.run(cmd, cwd=REPO, env=env(**({"GROWTRAIN_FAULT": fault} if fault else {})), capture_output=True, text=True, timeout=900)
+class Run:
+    """One `growtrain run` of the shortened tiny recipe in a subprocess, its console in LOG.out/err
+    beside the run directory."""
+
+    def __init__(self, out: Path, device: str, backend: str, fault: str | None = None, extra: tuple[str, ...] = (), threads: int = 0):
+        self.out = out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "growtrain", "run", "tiny", "--out", str(out), *recipe_sets(device, backend), *extra]
+        if threads:
+            cmd += ["--set", f"train.threads={threads}"]
+        self.stdout_path, self.stderr_path = out.with_name(out.name + ".out"), out.with_name(out.name + ".err")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env(**({"GROWTRAIN_FAULT": fault} if fault else {})),
+                                     stdout=self.stdout_path.open("w"), stderr=self.stderr_path.open("w"), text=True)
+        self.seconds = None
+
+    def wait(self) -> "Run":
+        try:
+            self.returncode = self.proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.returncode = self.proc.wait()
+        self.seconds = round(time.perf_counter() - self.t0, 1)
+        self.stdout, self.stderr = self.stdout_path.read_text(), self.stderr_path.read_text()
+        return self
+
+
+def nondeterministic_ops(*runs: Run) -> list[str]:
+    """The ops torch named as having no deterministic version (train.deterministic warns, once per op)."""
+    found = set()
+    for r in runs:
+        for m in re.finditer(r"(\S+) does not have a deterministic implementation", r.stderr):
+            found.add(m.group(1))
+    return sorted(found)
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -80,24 +118,40 @@ def rows_of(run: Path) -> list[dict]:
 
 def part3(out: Path, device: str) -> dict:
     backend = "auto"
-    ref = train(out / "cpu_fp32", "cpu", "reference")
-    # On the CPU, auto is the reference backend: the device run would repeat the reference run.
-    main, device_dir = (ref, out / "cpu_fp32") if device == "cpu" else (train(out / "device_run", device, backend), out / "device_run")
-    res = {"reference_rc": ref.returncode, "device_rc": main.returncode}
+    kill_at = KILL_AT_CPU if device == "cpu" else KILL_AT
+    # On a GPU machine the runs go side by side (the CPU reference on its own cores); on the CPU one
+    # at a time (two training jobs on 2 cores slow each other ~40x). On the CPU, auto is the
+    # reference backend: the device run would repeat the reference run, so it is not made.
+    parallel = device != "cpu"
+    ref = Run(out / "cpu_fp32", "cpu", "reference", threads=6 if parallel else 0)
+    if not parallel:
+        ref.wait()
+    main = Run(out / "device_run", device, backend, threads=2) if parallel else ref
+    killed = Run(out / "killed", device, backend, fault=f"step_mid:{kill_at}", threads=2 if parallel else 0)
+    # growth on the host against growth on the GPU (on the CPU the host is the device:
+    # tests/test_growth_placement.py runs that path)
+    host = Run(out / "grown_on_host", device, backend, extra=("--set", "train.grow_on=host"), threads=4) if parallel else None
+    killed.wait()
+    resumed = Run(out / "killed", device, backend, threads=2 if parallel else 0).wait()
+    for r in (ref, main, host):
+        if r is not None and r.seconds is None:
+            r.wait()
+    device_dir = main.out
+    res = {"reference_rc": ref.returncode, "device_rc": main.returncode,
+           "run_seconds": {"cpu_reference": ref.seconds, "device": main.seconds, "killed": killed.seconds, "resumed": resumed.seconds,
+                       **({"grown_on_host": host.seconds} if host else {})}}
     if ref.returncode or main.returncode:
         res["ok"] = False
         res["error"] = (ref.stderr if ref.returncode else main.stderr)[-2000:]
         return res
     res["growth_checks"] = "passed" if "growth check failed" not in main.stdout else "failed"
-    a, b = losses(out / "cpu_fp32"), losses(device_dir)
+    a, b = losses(ref.out), losses(device_dir)
     if device == "cpu":
         res["max_rel_loss_diff_first_steps"] = None  # nothing to compare: one run
     else:
         res["max_rel_loss_diff_first_steps"] = max(abs(a[s] - b[s]) / abs(a[s]) for s in range(1, COMPARE_STEPS + 1))
+        res["max_rel_loss_diff_all_steps"] = max(abs(a[s] - b[s]) / abs(a[s]) for s in b if s in a)
     res["final_loss_cpu"], res["final_loss_device"] = a[max(a)], b[max(b)]
-    kill_at = KILL_AT_CPU if device == "cpu" else KILL_AT
-    killed = train(out / "killed", device, backend, fault=f"step_mid:{kill_at}")
-    resumed = train(out / "killed", device, backend)
     res["killed_rc"], res["resumed_rc"] = killed.returncode, resumed.returncode
     res["resumed"] = "resumed from" in resumed.stdout
     if resumed.returncode == 0:
@@ -105,12 +159,16 @@ def part3(out: Path, device: str) -> dict:
         diffs = [abs(c[s] - b[s]) for s in b]
         res["resume_max_abs_loss_diff"] = max(diffs)
         res["resume_bitwise"] = c == b
+        if not res["resume_bitwise"]:
+            res["resume_first_differing_step"] = min(s for s in b if c.get(s) != b[s])
+    else:
+        res["resume_error"] = resumed.stderr[-1500:]
+    res["nondeterministic_ops"] = nondeterministic_ops(*(r for r in (main, killed, resumed, host) if r is not None))
     host_ok = True
-    if device != "cpu":  # on the CPU the host is the device (tests/test_growth_placement.py runs that path)
-        host = train(out / "grown_on_host", device, backend, extra=("--set", "train.grow_on=host"))
+    if host is not None:
         res["host_growth_rc"] = host.returncode
         if host.returncode == 0:
-            h = losses(out / "grown_on_host")
+            h = losses(host.out)
             res["host_growth_logged"] = host.stdout.count(": on the host (train.grow_on: host")
             res["host_growth_checks"] = "passed" if "growth check failed" not in host.stdout else "failed"
             res["host_vs_device_max_rel_loss_diff"] = max(abs(h[s] - b[s]) / abs(b[s]) for s in b)
@@ -150,7 +208,8 @@ def part4(out: Path, device: str) -> dict:
         want = mem["total"] - mem.get("runtime_reserve", 0)
         if stage in measured and want > 0:
             ratios[stage] = measured[stage] / want
-    return {"ok": bool(ratios) and all(0.75 <= r <= 1.25 for r in ratios.values()), "preset": preset, "measured_over_planned": ratios}
+    return {"ok": bool(ratios) and all(0.75 <= r <= 1.25 for r in ratios.values()), "preset": preset, "measured_over_planned": ratios,
+            "measured_gb": {k: v / 1e9 for k, v in measured.items()}, "planned": planned}
 
 
 def part5(out: Path, device: str) -> dict:

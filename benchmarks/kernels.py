@@ -11,10 +11,13 @@ Figures (bf16, balanced routing: every expert gets N/E rows):
   grouped_fwd_bwd    forward + backward with trainable experts (18·N·D·F FLOPs)
   nf4_fused          forward with NF4 bases decoded per tile inside the kernel (many small experts)
   nf4_dequant_mm     the same with all expert matrices first dequantized (Triton), then the dense kernel
+  nf4_lora_fwd_bwd   NF4 bases + LoRA r, forward and backward, at the 120B recipe's per-GPU shapes,
+                     against one dense matmul [N, D] @ [D, 3F] (12·N·D·F + 18·N·r·(D+F) FLOPs)
   signaled           down projection with tile-level signaling: producer and consumer on two
                      streams, tiles copied into R destination buffers as they finish
   compute_then_copy  the grouped down projection, then the copies (index_copy_ per rank)
-Targets on an H100/H200: grouped ≥ 0.70 × dense; nf4 speedup (dequant_mm / fused) ≥ 1.3.
+Targets on an H100/H200: grouped ≥ 0.70 × dense; NF4 + LoRA fwd+bwd ≥ 0.70 × dense; nf4 speedup
+(dequant_mm / fused) ≥ 1.3; signaled ≥ 1.3 × compute-then-copy.
 Times: median of --reps runs timed with CUDA events, after --warmup runs (compiles included there).
 Exits with code 2 and a message when there is no CUDA GPU or no Triton. `--device cpu` runs the
 script through the interpreter (TRITON_INTERPRET=1, fp32, tiny shapes) to check that it works.
@@ -32,6 +35,7 @@ import torch
 
 TARGET_GROUPED_VS_DENSE = 0.70
 TARGET_NF4_SPEEDUP = 1.3
+TARGET_NF4_LORA_VS_DENSE = 0.70  # NF4 + LoRA forward + backward vs dense bf16 matmul FLOP rate (issue 13)
 TARGET_SIGNALED_SPEEDUP = 1.3  # tile-signalled combine vs compute-then-copy (issue 13)
 
 
@@ -138,6 +142,32 @@ def run(args) -> dict:
         ms_dq = t(dequant_then_mm)
     out.update(nf4_fused_ms=ms_fused, nf4_dequant_mm_ms=ms_dq, nf4_speedup=ms_dq / ms_fused, nf4_fused_tflops=tf(ms_fused, 6 * N4 * D4 * F4))
 
+    # NF4 bases + LoRA, forward and backward (the trainable path of the last stages), at the 120B
+    # recipe's per-GPU shapes, against one dense bf16 matmul of the same M, K (its FLOP rate).
+    # Counted FLOPs: the base projections forward and their input gradient, 12·N·D·F, plus the
+    # adapters forward, input gradient and A/B gradients, 18·N·r·(D+F); the SwiGLU epilogues not.
+    EL, NL, FL, RL = args.lora_experts, args.lora_rows, args.lora_hidden, args.lora_rank
+    offl = balanced_offsets(NL, EL, dev)
+    xl = torch.randn(NL, D4, device=dev, dtype=bf16, requires_grad=True)
+    dyl = torch.randn(NL, D4, device=dev, dtype=bf16)
+    wl = [random_nf4(EL, FL, D4, dev), random_nf4(EL, FL, D4, dev), random_nf4(EL, FL, D4, dev, transposed=True)]
+    from growtrain.kernels.weights import LoRA
+
+    def adapter(d_out, d_in):
+        return LoRA((torch.randn(EL, RL, d_in, device=dev, dtype=bf16) * 0.02).requires_grad_(True),
+                    (torch.randn(EL, d_out, RL, device=dev, dtype=bf16) * 0.02).requires_grad_(True), 2.0)
+
+    ll = [adapter(FL, D4), adapter(FL, D4), adapter(D4, FL)]
+    lora_flops = 12 * NL * D4 * FL + 18 * NL * RL * (D4 + FL)
+    ms_lora = t(lambda: grouped_swiglu(xl, offl, wl, ll).backward(dyl))
+    xd, wd_ = torch.randn(NL, D4, device=dev, dtype=bf16), torch.randn(D4, 3 * FL, device=dev, dtype=bf16)
+    with torch.no_grad():
+        ms_dense_l = t(lambda: xd @ wd_)
+    dense_l_tflops = tf(ms_dense_l, 6 * NL * D4 * FL)
+    out.update(nf4_lora_fwd_bwd_ms=ms_lora, nf4_lora_fwd_bwd_tflops=tf(ms_lora, lora_flops), dense_lora_shape_tflops=dense_l_tflops,
+               nf4_lora_fwd_bwd_vs_dense=tf(ms_lora, lora_flops) / dense_l_tflops)
+    del xl, dyl, wl, ll, xd, wd_
+
     # tile-level signaled combine vs compute-then-copy (down projection, R local buffers)
     ranks = args.ranks
     expert_S = torch.arange(N, device="cpu") * E // N  # balanced, sorted by expert
@@ -170,12 +200,14 @@ def run(args) -> dict:
 
     out["targets"] = {
         f"grouped_vs_dense>={TARGET_GROUPED_VS_DENSE}": out["grouped_vs_dense"] >= TARGET_GROUPED_VS_DENSE,
+        f"nf4_lora_fwd_bwd_vs_dense>={TARGET_NF4_LORA_VS_DENSE}": out["nf4_lora_fwd_bwd_vs_dense"] >= TARGET_NF4_LORA_VS_DENSE,
         f"nf4_speedup>={TARGET_NF4_SPEEDUP}": out["nf4_speedup"] >= TARGET_NF4_SPEEDUP,
         f"signaled_speedup>={TARGET_SIGNALED_SPEEDUP}": out["signaled_speedup"] >= TARGET_SIGNALED_SPEEDUP,
     }
     out["shapes"] = {
         "grouped": {"E": E, "N": N, "D": D, "F": F},
         "nf4": {"E": E4, "N": N4, "D": D4, "F": F4},
+        "nf4_lora": {"E": EL, "N": NL, "D": D4, "F": FL, "r": RL},
         "signaled": {"E": E, "N": N, "D": D, "F": F, "ranks": ranks, "consumers": args.consumers, "padded_rows": plan.padded_rows},
     }
     return out
@@ -194,6 +226,10 @@ def table(res: dict) -> str:
         f"NF4 experts, {res['dtype']} compute, {s['nf4']}",
         f"  fused decode          {res['nf4_fused_ms']:8.3f} ms  ({res['nf4_fused_tflops']:.1f} TFLOP/s)",
         f"  dequantize, then mm   {res['nf4_dequant_mm_ms']:8.3f} ms  (speedup {res['nf4_speedup']:.2f}x, target >= {TARGET_NF4_SPEEDUP})",
+        "",
+        f"NF4 + LoRA forward + backward, {res['dtype']}, {s['nf4_lora']}",
+        f"  fused kernels         {res['nf4_lora_fwd_bwd_ms']:8.3f} ms  ({res['nf4_lora_fwd_bwd_tflops']:.1f} TFLOP/s)",
+        f"  one dense matmul      {res['dense_lora_shape_tflops']:8.1f} TFLOP/s   (fused / dense = {res['nf4_lora_fwd_bwd_vs_dense']:.2f}, target >= {TARGET_NF4_LORA_VS_DENSE})",
         "",
         f"down projection + combine, {s['signaled']}",
         f"  producer+consumer     {res['signaled_ms']:8.3f} ms",
@@ -215,6 +251,10 @@ def main(argv=None) -> int:
     p.add_argument("--nf4-experts", type=int, default=64)
     p.add_argument("--nf4-rows", type=int, default=8192)
     p.add_argument("--nf4-hidden", type=int, default=1024)
+    p.add_argument("--lora-experts", type=int, default=32, help="NF4 + LoRA: local experts (the 120B recipe's 256 over 8 GPUs)")
+    p.add_argument("--lora-rows", type=int, default=65536, help="NF4 + LoRA: token-slots per GPU")
+    p.add_argument("--lora-hidden", type=int, default=1024)
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--consumers", type=int, default=4, help="consumer programs")
     p.add_argument("--warmup", type=int, default=5)

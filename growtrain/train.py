@@ -118,6 +118,14 @@ def resolve_device(setting: str, dist: Dist) -> torch.device:
     return torch.device("cpu")
 
 
+def use_deterministic_kernels() -> None:
+    """train.deterministic: the same bits from the same state on a GPU. cuBLAS needs a fixed
+    workspace for that (read when its first handle is made, so set before the first matmul); ops
+    with no deterministic version warn by name instead of failing the run."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 ALLOCATOR_ALIGNMENT = 64  # bytes: PyTorch's CPU allocator (c10 alignment), and the widest vector load
 
 
@@ -177,6 +185,7 @@ RESUME_MAY_CHANGE = (
     "train.expert_backend",  # other kernels, same experts: the same function, its bits within kernel rounding
     "train.device",  # where it computes, not what: another device's kernels round differently
     "train.grow_on",  # where growth computes: the same copies and draws, the checks' numbers within rounding
+    "train.deterministic",  # which kernels: the same function, other rounding orders
 )
 
 
@@ -511,10 +520,14 @@ class Run:
         if recipe.train.threads:
             torch.set_num_threads(recipe.train.threads)
         self.device = resolve_device(recipe.train.device, self.dist)
+        if recipe.train.deterministic:
+            use_deterministic_kernels()
         self.env = environment(self.device)
         self.peak_tflops = gpu_peak_tflops(self.device)
         torch.manual_seed(recipe.seed)
         self.log(f"growtrain {recipe.name}: {self.env['code']}, torch {self.env['torch']}, {self.env['device']}")
+        if recipe.train.deterministic:
+            self.log("deterministic kernels (train.deterministic): ops without a deterministic version warn by name")
 
         corpus = load_corpus(recipe.data, recipe.seed)
         self.data_fingerprint = corpus.fingerprint

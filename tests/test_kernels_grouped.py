@@ -275,3 +275,41 @@ def test_bf16_forward_and_backward_match_the_fp32_reference_on_gpu(E, counts, d,
     want = _grads(y32, dy32, leaves32)
     for i, (g, w) in enumerate(zip(grads16, want)):
         assert_close(f"grad {i} bf16", g, w, **BF16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_nf4_lora_at_the_120b_recipes_shapes_matches_the_fp32_reference_in_bf16():
+    """The last stage's per-GPU expert work of recipes/120b.yaml: 32 local experts of D 4096, F 1024,
+    LoRA r 16, ~64k token-slots routed unevenly (one expert empty), forward and backward in bf16
+    against the fp32 reference."""
+    pytest.importorskip("bitsandbytes", reason="NF4 weights are quantized by bitsandbytes")
+    gen = torch.Generator().manual_seed(120)
+    dev, E, d, f, r = "cuda", 32, 4096, 1024, 16
+    share = torch.rand(E, generator=gen) + 0.2
+    share[5] = 0.0
+    counts = (share / share.sum() * 65536).long()
+    counts[0] += 65536 - int(counts.sum())
+    off = _offsets(counts.tolist(), dev)
+    N = int(counts.sum())
+    x32 = torch.randn(N, d, generator=gen).to(dev).requires_grad_(True)
+    dy32 = torch.randn(N, d, generator=gen).to(dev)
+    w = [
+        NF4Weight.quantize(torch.randn(E, f, d, generator=gen).to(dev) * 0.02, True),
+        NF4Weight.quantize(torch.randn(E, f, d, generator=gen).to(dev) * 0.02),
+        NF4Weight.quantize(torch.randn(E, f, d, generator=gen).to(dev) * 0.02, True, transposed=True),  # holds down^T
+    ]
+    lora32 = [LoRA((torch.randn(E, r, i, generator=gen) * 0.02).to(dev).requires_grad_(True), (torch.randn(E, o, r, generator=gen) * 0.02).to(dev).requires_grad_(True), 2.0)
+              for o, i in ((f, d), (f, d), (d, f))]
+    lora16 = [LoRA(lo.A_ERI.detach().bfloat16().requires_grad_(True), lo.B_EOR.detach().bfloat16().requires_grad_(True), lo.scale) for lo in lora32]
+    x16 = x32.detach().bfloat16().requires_grad_(True)
+    y16 = grouped_swiglu(x16, off, w, lora16)
+    y16.backward(dy32.bfloat16())
+    y32 = grouped_swiglu_lora_reference(x32, off, w, lora32)
+    assert_close("y bf16", y16.float(), y32.detach(), **BF16)
+    leaves32 = [x32] + [t for lo in lora32 for t in (lo.A_ERI, lo.B_EOR)]
+    got = [x16.grad] + [t.grad for lo in lora16 for t in (lo.A_ERI, lo.B_EOR)]
+    want = _grads(y32, dy32, leaves32)
+    for name, g, w_ in zip(["x", "gate A", "gate B", "up A", "up B", "down A", "down B"], got, want):
+        assert g is not None, f"{name}: no gradient"
+        assert_close(f"grad {name} bf16", g.float(), w_, **BF16)
