@@ -4,7 +4,7 @@
    CUDA): every growth check passes; its losses follow a CPU fp32 run of the same recipe within
    LOSS_BAR (relative) over the first COMPARE_STEPS steps; killed once with kill -9 mid-run and
    resumed, it repeats the uninterrupted device run's losses exactly (every run with
-   train.deterministic: true; the ops torch names as having no deterministic version are listed);
+   train.deterministic: true; the ops torch names as non-deterministic are listed);
    grown on the host
    (`train.grow_on: host`: model and optimizer state moved to host memory for each growth and
    back), its growth checks pass and its losses follow the device-grown run's within LOSS_BAR
@@ -29,6 +29,7 @@ summary.json under --out, exits 1 if any part fails.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -36,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -99,11 +101,13 @@ class Run:
 
 
 def nondeterministic_ops(*runs: Run) -> list[str]:
-    """The ops torch named as having no deterministic version (train.deterministic warns, once per op)."""
+    """The ops torch named as non-deterministic in the runs' output (an op with no deterministic
+    version, which train.deterministic makes fail; one that warns it runs a non-deterministic
+    algorithm by default)."""
     found = set()
     for r in runs:
-        for m in re.finditer(r"(\S+) does not have a deterministic implementation", r.stderr):
-            found.add(m.group(1))
+        for pattern in (r"(\S+) does not have a deterministic implementation", r"Warning: (.+?) defaults to a non-deterministic algorithm"):
+            found.update(m.group(1) for m in re.finditer(pattern, r.stderr))
     return sorted(found)
 
 
@@ -151,6 +155,7 @@ def part3(out: Path, device: str) -> dict:
     else:
         res["max_rel_loss_diff_first_steps"] = max(abs(a[s] - b[s]) / abs(a[s]) for s in range(1, COMPARE_STEPS + 1))
         res["max_rel_loss_diff_all_steps"] = max(abs(a[s] - b[s]) / abs(a[s]) for s in b if s in a)
+        res["rel_loss_diff_step1"] = abs(a[1] - b[1]) / abs(a[1])  # the same initial model on both devices
     res["final_loss_cpu"], res["final_loss_device"] = a[max(a)], b[max(b)]
     res["killed_rc"], res["resumed_rc"] = killed.returncode, resumed.returncode
     res["resumed"] = "resumed from" in resumed.stdout
@@ -224,25 +229,45 @@ def part5(out: Path, device: str) -> dict:
     if device == "cuda":
         import torch
 
+        from growtrain.recipe import recipe_from_dict
+        from growtrain.train import run
+
+        sites: dict[int, collections.Counter] = {}
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                sites[n][_caller()] += 1
+
         torch.cuda.set_sync_debug_mode("warn")
-        counts = []
         try:
             for n in (3, 6):
                 raw["stages"][0]["steps"] = n
-                with warnings.catch_warnings(record=True) as caught:
+                sites[n] = collections.Counter()
+                with warnings.catch_warnings():
                     warnings.simplefilter("always")
-                    from growtrain.recipe import recipe_from_dict
-                    from growtrain.train import run
-
+                    warnings.showwarning = show  # restored on leaving catch_warnings
                     run(recipe_from_dict(raw), out / f"syncs{n}", resume="never", log=lambda *a, **k: None)
-                counts.append(sum("synchroniz" in str(w.message) for w in caught))
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        per_step = (counts[1] - counts[0]) / 3
-        return {"ok": True, "syncs_per_step_4_moe_blocks_accum2": per_step, "counted_by": "torch.cuda.set_sync_debug_mode"}
+        per_step = (sum(sites[6].values()) - sum(sites[3].values())) / 3
+        by_site = {k: round(v / 3, 2) for k, v in (sites[6] - sites[3]).most_common(8)}
+        # One per step: the grad norm's finite check; nothing per layer or micro-batch.
+        return {"ok": per_step <= 1, "syncs_per_step_4_moe_blocks_accum2": per_step, "per_step_by_site": by_site,
+                "counted_by": "torch.cuda.set_sync_debug_mode"}
     got = per_step_syncs(raw, 3, out / "syncs")
     return {"ok": got["trainer"] <= 1, "syncs_per_step_4_moe_blocks_accum2": got["trainer"], "reference_backend": got["expert_backend"],
             "counted_by": "growtrain.host_syncs"}
+
+
+def _caller() -> str:
+    """file:line of the innermost growtrain frame (kernels, stages, model) that made the call."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(REPO) and not path.is_relative_to(REPO / "benchmarks"):
+            return f"{path.relative_to(REPO)}:{frame.lineno}"
+        if "site-packages/growtrain" in frame.filename:  # an installed copy
+            return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
+    return "elsewhere"
 
 
 def main() -> int:

@@ -4,7 +4,8 @@ A sync stalls the GPU's queue until everything before it has run. On the CPU not
 the same calls are there to count: a TorchDispatchMode sees `aten._local_scalar_dense` (`.item()`,
 `float(t)`, `bool(t)`, Python conditionals on tensors), device-to-host copies, and the ops whose
 output size depends on the data (`nonzero`, boolean-mask indexing, `unique`, `repeat_interleave`
-without `output_size`), which sync on CUDA. `Tensor.tolist()` and `Tensor.numpy()` do not pass
+without `output_size`), and ops that read their input's range on the host (`bincount`, `histc`),
+which sync on CUDA. `Tensor.tolist()` and `Tensor.numpy()` do not pass
 through the dispatcher, so they are counted by wrapping them.
 
 Each sync is attributed to the first frame of growtrain code that made it (file:line), so a
@@ -30,6 +31,8 @@ _DATA_DEPENDENT = {
     "aten.unique_consecutive.default",
     "aten.index.Tensor",  # counted only with a boolean index (below)
     "aten.repeat_interleave.Tensor",
+    "aten.bincount.default",  # CUDA reads the input's min and max on the host
+    "aten.histc.default",  # CUDA reads min and max when no range is given
 }
 _ROOT = str(Path(__file__).resolve().parents[1])
 

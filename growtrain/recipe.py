@@ -155,10 +155,10 @@ class TrainConfig:
     deterministic: bool = field(
         default=False,
         metadata={
-            "doc": "Deterministic GPU kernels (torch.use_deterministic_algorithms, warn_only: an op without a deterministic "
-            "version warns by name at its first call; CUBLAS_WORKSPACE_CONFIG is set when unset), so that a resumed run "
-            "repeats an uninterrupted one's bits on a GPU, at some cost in speed. CPU runs are deterministic either way. "
-            "A runtime choice: a resume may change it."
+            "doc": "Deterministic GPU kernels (torch.use_deterministic_algorithms; CUBLAS_WORKSPACE_CONFIG is set when "
+            "unset), so that a resumed run repeats an uninterrupted one's bits on a GPU, at some cost in speed; an op "
+            "with no deterministic version stops the run naming itself. CPU runs are deterministic either way. A runtime "
+            "choice: a resume may change it."
         },
     )
 

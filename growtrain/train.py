@@ -120,10 +120,12 @@ def resolve_device(setting: str, dist: Dist) -> torch.device:
 
 def use_deterministic_kernels() -> None:
     """train.deterministic: the same bits from the same state on a GPU. cuBLAS needs a fixed
-    workspace for that (read when its first handle is made, so set before the first matmul); ops
-    with no deterministic version warn by name instead of failing the run."""
+    workspace for that (read when its first handle is made, so set before the first matmul). Not
+    warn_only: with it, memory-efficient attention keeps its non-deterministic backward (it only
+    warns, seen on an H200); strict, it takes its deterministic one, and an op with no
+    deterministic version fails naming itself."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
 
 
 ALLOCATOR_ALIGNMENT = 64  # bytes: PyTorch's CPU allocator (c10 alignment), and the widest vector load
@@ -527,7 +529,7 @@ class Run:
         torch.manual_seed(recipe.seed)
         self.log(f"growtrain {recipe.name}: {self.env['code']}, torch {self.env['torch']}, {self.env['device']}")
         if recipe.train.deterministic:
-            self.log("deterministic kernels (train.deterministic): ops without a deterministic version warn by name")
+            self.log("deterministic kernels (train.deterministic): an op without a deterministic version fails by name")
 
         corpus = load_corpus(recipe.data, recipe.seed)
         self.data_fingerprint = corpus.fingerprint
@@ -753,6 +755,8 @@ class Run:
             f"{stage.steps} steps of {tokens_per_step:,} tokens (seq {stage.seq_len} x batch {stage.batch_size} x accum {stage.grad_accum})"
         )
         base_lr = recipe.optimizer.lr
+        if self.device.type == "cuda":  # the stage's peak is its training's, not its growth's
+            torch.cuda.reset_peak_memory_stats(self.device)
         t_last = time.perf_counter()
         self.progress.start_stage()
         while pos.stage_step < stage.steps:
@@ -846,14 +850,19 @@ class Run:
             if stage_end or (recipe.train.eval_every and pos.global_step % recipe.train.eval_every == 0):
                 (self.last_eval,) = self.dist.mean(self._evaluate(evals, precision))
                 record["eval_loss"] = self.last_eval
+            # A slow stage still talks every HEARTBEAT_S seconds (progress.py), whatever log_every says.
+            line_due = pos.global_step % recipe.train.log_every == 0 or stage_end or self.progress.line_due()
+            if line_due and self.device.type == "cuda":  # in metrics.jsonl too: the GPU checks read them there
+                record["memory/cuda_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+                record["memory/cuda_reserved_gb"] = torch.cuda.memory_reserved(self.device) / 1e9
+                torch.cuda.reset_peak_memory_stats(self.device)  # the next line's peak is since this one
             if self.dist.is_main:
                 self.metrics.append(record)
             wandb_metrics = {k: v for k, v in record.items() if k not in ("step", "stage")}
             wandb_metrics["stage_index"] = pos.stage
             for i, ratio in enumerate(load_ratios):
                 wandb_metrics[f"moe/layer{i}/load_max_over_mean"] = ratio
-            # A slow stage still talks every HEARTBEAT_S seconds (progress.py), whatever log_every says.
-            if pos.global_step % recipe.train.log_every == 0 or stage_end or self.progress.line_due():
+            if line_due:
                 rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 wandb_metrics["memory/peak_rss_mb"] = rss_mb
                 # Counted FLOPs (the planner's, reversible recompute included) per second of this step.
@@ -861,10 +870,7 @@ class Run:
                 wandb_metrics["perf/tflops_per_device"] = tflops
                 gpu = ""
                 if self.device.type == "cuda":
-                    peak_gb = torch.cuda.max_memory_allocated(self.device) / 1e9
-                    wandb_metrics["memory/cuda_peak_gb"] = peak_gb
-                    wandb_metrics["memory/cuda_reserved_gb"] = torch.cuda.memory_reserved(self.device) / 1e9
-                    torch.cuda.reset_peak_memory_stats(self.device)  # the next line's peak is since this one
+                    peak_gb = record["memory/cuda_peak_gb"]
                     gpu = f" gpu {peak_gb:.1f}GB"
                     if self.peak_tflops:
                         wandb_metrics["perf/flops_utilisation"] = tflops / self.peak_tflops

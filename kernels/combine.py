@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .combine_plan import CombinePlan
-from .grouped import _NO_FLAGS, _NO_OPERAND, TileConfig, _dot_precision, _pow2_at_least_16, operand_args, project_tile, tile_config
+from .grouped import _NO_FLAGS, _NO_OPERAND, TileConfig, _dot_precision, _pow2_at_least_16, launch_fitted, operand_args, project_tile, tile_config
 from .weights import LoRA, weight_shape
 
 
@@ -151,15 +151,20 @@ def produce_tiles(
     programs = num_programs or default_producer_programs(x.device, 0)
     ranks = [op1[0][-1]] + ([op2[0][-1]] if op2 is not None else [])
     args2, flags2 = op2 if op2 is not None else (_NO_OPERAND, _NO_FLAGS)
-    _producer_kernel[(programs,)](
-        plan.tile_row_T, plan.tile_expert_T, plan.tile_valid_T, plan.num_tiles, programs,
-        y_PO, y_PO.stride(0), flags, epoch, K, NOUT,
-        *op1[0], *args2, *op1[1], *flags2,
-        DUAL=op2 is not None,
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BR=_pow2_at_least_16(max(ranks)), DOT_PREC=_dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-    )
-    return cfg
+    br = _pow2_at_least_16(max(ranks))
+
+    def launch(c: TileConfig) -> None:
+        _producer_kernel[(programs,)](
+            plan.tile_row_T, plan.tile_expert_T, plan.tile_valid_T, plan.num_tiles, programs,
+            y_PO, y_PO.stride(0), flags, epoch, K, NOUT,
+            *op1[0], *args2, *op1[1], *flags2,
+            DUAL=op2 is not None,
+            BM=c.block_m, BN=c.block_n, BK=c.block_k, BR=br, DOT_PREC=_dot_precision(x.dtype),
+            num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False,
+        )
+
+    # block_n stays as the consumer was told: only stages and block_k shrink
+    return launch_fitted("combine_producer", (x.device, x.dtype, op2 is not None, br, op1[1], flags2), cfg, launch)
 
 
 def consume_tiles(
@@ -170,7 +175,7 @@ def consume_tiles(
     dest_buffers: list[torch.Tensor],
     block_n: int,
     num_programs: int = 4,
-    max_spins: int = 2**30,
+    max_spins: int = 2**24,
 ) -> torch.Tensor:
     """Consumer launch: copies every ready tile of y_PO to dest_buffers[tile_dest] (each [rows_d, O],
     one row stride for all; peer symmetric-memory buffers or local tensors). block_n: the
@@ -204,12 +209,14 @@ def _run(plan, y_PO, op1, op2, dest_buffers, producer_programs, consumer_program
         epoch = 1
     if overlap and device.type == "cuda":
         side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))  # flags and inputs are ready first
+        side.wait_stream(torch.cuda.current_stream(device))  # flags and inputs are ready first (not the producer)
+        # The producer is launched first: a consumer spinning on the GPU while the producer's
+        # first launch loads its module (lazily, at that launch) can wait forever on the load.
+        produce_tiles(plan, y_PO, flags, epoch, op1, op2, producer_programs or default_producer_programs(device, consumer_programs))
         with torch.cuda.stream(side):
             for t in (y_PO, flags, *dest_buffers):
                 t.record_stream(side)
             timeouts = consume_tiles(plan, y_PO, flags, epoch, dest_buffers, block_n, consumer_programs)
-        produce_tiles(plan, y_PO, flags, epoch, op1, op2, producer_programs or default_producer_programs(device, consumer_programs))
         torch.cuda.current_stream(device).wait_stream(side)
     else:
         # One after the other: the interpreter runs programs in pid order, so a consumer running

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .nf4 import nf4_kernel_args, nf4_values
 from .weights import ExpertLoRA, ExpertWeights, LoRA, NF4Weight, weight_shape
@@ -232,6 +235,41 @@ def tile_config(
     return cfg
 
 
+_log = logging.getLogger(__name__)
+# Configs shrunk to fit a GPU's shared memory, by (kernel, device, config, specialisation): the
+# fixed configs above are sized for Hopper's 227 KB, but the NF4 decode and LoRA tiles add
+# buffers that Triton's pipeliner multiplies by num_stages (an H200 refused 256 KB for the NF4
+# down projection at 128 x 128 x 64, 3 stages).
+_FITTED: dict[tuple, TileConfig] = {}
+
+
+def _smaller(cfg: TileConfig) -> TileConfig | None:
+    """The next config to try after `cfg` ran out of shared memory: fewer pipeline stages, then a
+    shorter reduction tile. The row and column tiles stay (a combine plan and its consumer fix them)."""
+    if cfg.num_stages > 1:
+        return replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_k > 16:
+        return replace(cfg, block_k=cfg.block_k // 2, num_stages=2)
+    return None
+
+
+def launch_fitted(name: str, key: tuple, cfg: TileConfig, launch) -> TileConfig:
+    """launch(cfg), stepping down through _smaller(cfg) while the GPU has too little shared memory
+    for it; the config that fits is remembered for the same key and logged once. Returns it."""
+    key = (name, *key, cfg)
+    tried = _FITTED.get(key, cfg)
+    while True:
+        try:
+            launch(tried)
+            return tried
+        except OutOfResources as exc:
+            smaller = _smaller(tried)
+            if smaller is None:
+                raise
+            _log.warning("%s: %s; retrying with block_k %d, %d stages", name, exc, smaller.block_k, smaller.num_stages)
+            _FITTED[key] = tried = smaller
+
+
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
 
@@ -314,18 +352,23 @@ def launch_grouped_mm(
     ranks = [op1[0][-1]] + ([op2[0][-1]] if op2 is not None else [])
     args2, flags2 = op2 if op2 is not None else (_NO_OPERAND, _NO_FLAGS)
     grid = (tile_expert.numel(), triton.cdiv(NOUT, cfg.block_n))
-    _grouped_mm_kernel[grid](
-        tile_expert, tile_row, offsets_E1,
-        out, g, u, du, h, out.stride(0), K, NOUT,
-        *op1[0], *args2,
-        *op1[1], *flags2,
-        MODE=mode, DUAL=op2 is not None, SAVE_AUX=save_aux,
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BR=_pow2_at_least_16(max(ranks)),
-        DOT_PREC=_dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        # Keeps in-kernel NF4 decoding bit-identical to dequantize_4bit (no FMA in the nested scale).
-        enable_fp_fusion=False,
-    )
+    br = _pow2_at_least_16(max(ranks))
+
+    def launch(c: TileConfig) -> None:
+        _grouped_mm_kernel[grid](
+            tile_expert, tile_row, offsets_E1,
+            out, g, u, du, h, out.stride(0), K, NOUT,
+            *op1[0], *args2,
+            *op1[1], *flags2,
+            MODE=mode, DUAL=op2 is not None, SAVE_AUX=save_aux,
+            BM=c.block_m, BN=c.block_n, BK=c.block_k, BR=br,
+            DOT_PREC=_dot_precision(x.dtype),
+            num_warps=c.num_warps, num_stages=c.num_stages,
+            # Keeps in-kernel NF4 decoding bit-identical to dequantize_4bit (no FMA in the nested scale).
+            enable_fp_fusion=False,
+        )
+
+    launch_fitted("grouped_mm", (x.device, x.dtype, mode, save_aux, br, op1[1], flags2), cfg, launch)
 
 
 def grouped_wgrad(p_NM: torch.Tensor, q_NO: torch.Tensor, offsets_E1: torch.Tensor, out_EMO: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -337,11 +380,15 @@ def grouped_wgrad(p_NM: torch.Tensor, q_NO: torch.Tensor, offsets_E1: torch.Tens
     cap = 128 if cuda else 32
     bm, bn = min(cap, _pow2_at_least_16(M)), min(cap, _pow2_at_least_16(NN))
     grid = (E, triton.cdiv(M, bm) * triton.cdiv(NN, bn))
-    _grouped_wgrad_kernel[grid](
-        p_NM, p_NM.stride(0), q_NO, q_NO.stride(0), offsets_E1, out_EMO, *out_EMO.stride(), M, NN, float(scale),
-        BM=bm, BN=bn, BK=64 if cuda else 32, DOT_PREC=_dot_precision(p_NM.dtype),
-        num_warps=8 if cuda and bm * bn >= 128 * 128 else 4, num_stages=3 if cuda else 1,
-    )
+    cfg = TileConfig(bm, bn, 64 if cuda else 32, 8 if cuda and bm * bn >= 128 * 128 else 4, 3 if cuda else 1)
+
+    def launch(c: TileConfig) -> None:
+        _grouped_wgrad_kernel[grid](
+            p_NM, p_NM.stride(0), q_NO, q_NO.stride(0), offsets_E1, out_EMO, *out_EMO.stride(), M, NN, float(scale),
+            BM=c.block_m, BN=c.block_n, BK=c.block_k, DOT_PREC=_dot_precision(p_NM.dtype), num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    launch_fitted("grouped_wgrad", (p_NM.device, p_NM.dtype, q_NO.dtype, out_EMO.dtype), cfg, launch)
     return out_EMO
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from growtrain.kernels.backend import triton_expert_backend, triton_nf4_expert_backend, triton_unavailable_reason
 from growtrain.kernels.nf4_reference import NF4LoRAExperts, grouped_swiglu_nf4_lora_reference
 from growtrain.kernels.reference import grouped_swiglu_reference
+from growtrain.model import init
 from growtrain.model.config import ModelConfig, MoEConfig
 from growtrain.model.expert_parallel import EPGroup, expert_parallel_ffn
 from growtrain.model.af import AFGroup, af_expert_ffn
@@ -144,7 +145,7 @@ class Router(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        init.normal_(self.weight, mean=0.0, std=self.init_std)
         with torch.no_grad():
             self.balance_bias.zero_()
 
@@ -168,9 +169,9 @@ class Experts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.w_gate, mean=0.0, std=self.init_std)
-        nn.init.normal_(self.w_up, mean=0.0, std=self.init_std)
-        nn.init.normal_(self.w_down, mean=0.0, std=self.out_std)
+        init.normal_(self.w_gate, mean=0.0, std=self.init_std)
+        init.normal_(self.w_up, mean=0.0, std=self.init_std)
+        init.normal_(self.w_down, mean=0.0, std=self.out_std)
 
     def forward(self, x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, backend: str = "reference") -> torch.Tensor:
         # Reading the parameters here (not in the MoE layer) lets wrappers that re-parametrize them
@@ -250,9 +251,10 @@ class MoE(nn.Module):
         # Dropless dispatch: a stable sort makes the row order, and so the result, deterministic.
         expert_S = idx_TK.reshape(-1)
         order_S = torch.argsort(expert_S, stable=True)
-        counts_E = torch.bincount(expert_S, minlength=E)
-        offsets_E1 = torch.zeros(E + 1, dtype=torch.long, device=x.device)
-        offsets_E1[1:] = torch.cumsum(counts_E, dim=0)
+        # Offsets by binary search in the sorted ids, not bincount: CUDA's bincount reads the ids'
+        # min and max on the host (two syncs per call, measured on an H200).
+        offsets_E1 = torch.searchsorted(expert_S[order_S], torch.arange(E + 1, device=x.device, dtype=expert_S.dtype))
+        counts_E = offsets_E1[1:] - offsets_E1[:-1]
         # Expand-then-gather (not x_TD[order // K]): its backward is a plain sum over K plus a
         # permutation, with no accumulating scatter, so gradients are bitwise reproducible.
         x_SD = x_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)

@@ -42,6 +42,7 @@ from growtrain.kernels.nf4_reference import (
     dequantize_experts_bitsandbytes,
     nf4_buffer_shapes,
 )
+from growtrain.model import init
 from growtrain.model.config import ExpertLoRAConfig
 
 MATRICES = ("w_gate", "w_up", "w_down")
@@ -273,7 +274,7 @@ class NF4Experts(nn.Module):
         for m in MATRICES:
             A, B = getattr(self, f"{m}_lora_A"), getattr(self, f"{m}_lora_B")
             bound = 1.0 / math.sqrt(A.shape[-1])
-            nn.init.uniform_(A, -bound, bound)
+            init.uniform_(A, -bound, bound)
             nn.init.zeros_(B)
 
     @property
