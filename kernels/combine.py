@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .combine_plan import CombinePlan
-from .grouped import _NO_FLAGS, _NO_OPERAND, TileConfig, _dot_precision, _pow2_at_least_16, launch_fitted, operand_args, project_tile, tile_config
+from .grouped import _NO_FLAGS, _NO_OPERAND, TileConfig, _dot_precision, _pow2_at_least_16, launch_fitted, lora_tiles, operand_args, project_tile, tile_config
 from .weights import LoRA, weight_shape
 
 
@@ -164,6 +164,7 @@ def produce_tiles(
         )
 
     # block_n stays as the consumer was told: only stages and block_k shrink
+    cfg = lora_tiles(cfg, op1[1][4] or flags2[4], x.device)
     return launch_fitted("combine_producer", (x.device, x.dtype, op2 is not None, br, op1[1], flags2), cfg, launch)
 
 

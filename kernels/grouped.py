@@ -243,6 +243,16 @@ _log = logging.getLogger(__name__)
 _FITTED: dict[tuple, TileConfig] = {}
 
 
+def lora_tiles(cfg: TileConfig, has_lora: bool, device: torch.device) -> TileConfig:
+    """The config for a launch with a LoRA operand: on a GPU, reduction tiles of 32 and 2 stages.
+    With bf16 and 64-wide reduction tiles the adapter's dot (x @ L1, N = 16) read shared memory
+    out of bounds on an H200 (compute-sanitizer, Triton 3.6): wrong input gradients, then an
+    illegal address; 32 x 2 stages passed the same tests, 64 x 1 stage and 32-wide columns did not."""
+    if not has_lora or device.type != "cuda":
+        return cfg
+    return replace(cfg, block_k=min(cfg.block_k, 32), num_stages=min(cfg.num_stages, 2))
+
+
 def _smaller(cfg: TileConfig) -> TileConfig | None:
     """The next config to try after `cfg` ran out of shared memory: fewer pipeline stages, then a
     shorter reduction tile. The row and column tiles stay (a combine plan and its consumer fix them)."""
@@ -348,6 +358,7 @@ def launch_grouped_mm(
         return
     E = offsets_E1.numel() - 1
     cfg = config or tile_config("dual" if op2 is not None else "single", N, E, x.device, dtype=x.dtype)
+    cfg = lora_tiles(cfg, op1[1][4] or (op2 is not None and op2[1][4]), x.device)
     tile_expert, tile_row = row_tiles(offsets_E1, N, cfg.block_m)
     ranks = [op1[0][-1]] + ([op2[0][-1]] if op2 is not None else [])
     args2, flags2 = op2 if op2 is not None else (_NO_OPERAND, _NO_FLAGS)

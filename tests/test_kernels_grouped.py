@@ -313,3 +313,38 @@ def test_nf4_lora_at_the_120b_recipes_shapes_matches_the_fp32_reference_in_bf16(
     for name, g, w_ in zip(["x", "gate A", "gate B", "up A", "up B", "down A", "down B"], got, want):
         assert g is not None, f"{name}: no gradient"
         assert_close(f"grad {name} bf16", g.float(), w_, **BF16)
+
+
+def test_a_launch_out_of_shared_memory_retries_smaller_and_remembers_the_fit():
+    from triton.runtime.errors import OutOfResources
+
+    from growtrain.kernels import grouped
+
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        if cfg.num_stages * cfg.block_k > 64:  # a GPU with room for at most 64 x 1 or 32 x 2
+            raise OutOfResources(cfg.num_stages * cfg.block_k * 4096, 64 * 4096, "shared memory")
+
+    start = grouped.TileConfig(128, 128, 64, 8, 3)
+    key = ("test-device", object())
+    got = grouped.launch_fitted("test_kernel", key, start, launch)
+    assert (got.block_k, got.num_stages) == (64, 1) and [c.num_stages for c in tried] == [3, 2, 1]
+    tried.clear()
+    assert grouped.launch_fitted("test_kernel", key, start, launch) == got and tried == [got]  # remembered
+
+    def never(cfg):
+        raise OutOfResources(1, 0, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        grouped.launch_fitted("test_kernel", ("other",), grouped.TileConfig(16, 16, 16, 1, 1), never)
+
+
+def test_lora_launches_on_a_gpu_take_32_wide_reduction_tiles_in_2_stages():
+    from growtrain.kernels.grouped import TileConfig, lora_tiles
+
+    cfg = TileConfig(128, 64, 64, 8, 3)
+    assert lora_tiles(cfg, True, torch.device("cuda")) == TileConfig(128, 64, 32, 8, 2)
+    assert lora_tiles(cfg, False, torch.device("cuda")) == cfg
+    assert lora_tiles(cfg, True, torch.device("cpu")) == cfg
