@@ -10,18 +10,19 @@ import torch
 
 
 @torch.no_grad()
+def _drawn(t: torch.Tensor, fill) -> torch.Tensor:
+    """`fill` (an in-place draw) applied to t where it lives on the CPU, else to a host tensor of
+    t's shape and dtype that is then copied into t."""
+    if t.device.type == "meta":
+        return t
+    if t.device.type == "cpu":
+        return fill(t)
+    return t.copy_(fill(torch.empty(t.shape, dtype=t.dtype)))
+
+
 def normal_(t: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
-    if t.device.type == "meta":
-        return t
-    if t.device.type == "cpu":
-        return t.normal_(mean, std)
-    return t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(mean, std))
+    return _drawn(t, lambda u: u.normal_(mean, std))
 
 
-@torch.no_grad()
 def uniform_(t: torch.Tensor, a: float = 0.0, b: float = 1.0) -> torch.Tensor:
-    if t.device.type == "meta":
-        return t
-    if t.device.type == "cpu":
-        return t.uniform_(a, b)
-    return t.copy_(torch.empty(t.shape, dtype=t.dtype).uniform_(a, b))
+    return _drawn(t, lambda u: u.uniform_(a, b))
