@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from growtrain.model import init
 from growtrain.model.config import ModelConfig
 
 
@@ -90,8 +89,8 @@ class Attention(nn.Module):
 
     def reset_parameters(self) -> None:
         for lin in (self.wq, self.wk, self.wv):
-            init.normal_(lin.weight, mean=0.0, std=self.init_std)
-        init.normal_(self.wo.weight, mean=0.0, std=self.out_std)
+            nn.init.normal_(lin.weight, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.wo.weight, mean=0.0, std=self.out_std)
 
     def forward(self, x_BTD: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         """Causal attention over x; with `cache`, x holds the positions after the cached ones."""
@@ -166,9 +165,9 @@ class SwiGLU(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init.normal_(self.w_gate.weight, mean=0.0, std=self.init_std)
-        init.normal_(self.w_up.weight, mean=0.0, std=self.init_std)
-        init.normal_(self.w_down.weight, mean=0.0, std=self.out_std)
+        nn.init.normal_(self.w_gate.weight, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w_up.weight, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w_down.weight, mean=0.0, std=self.out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from growtrain.model import init
 from growtrain.model.config import ModelConfig
 from growtrain.model.layers import AttentionBranch, AttentionCache, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
 from growtrain.model.moe import MoE, MoEStats, resolve_expert_backend, update_balance_bias
@@ -104,8 +103,8 @@ class GrowLM(nn.Module):
             apply_dense_lora(self, config.dense_lora)
 
     def _init_own_weights(self) -> None:
-        init.normal_(self.embed.weight, mean=0.0, std=self.config.init_std)
-        init.normal_(self.lm_head.weight, mean=0.0, std=self.config.init_std)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=self.config.init_std)
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=self.config.init_std)
 
     def init_weights(self) -> None:
         """Re-run the initialization of every parameter and buffer (e.g. after `to_empty`)."""

@@ -25,7 +25,6 @@ from torch import nn
 from growtrain.kernels.backend import triton_expert_backend, triton_nf4_expert_backend, triton_unavailable_reason
 from growtrain.kernels.nf4_reference import NF4LoRAExperts, grouped_swiglu_nf4_lora_reference
 from growtrain.kernels.reference import grouped_swiglu_reference
-from growtrain.model import init
 from growtrain.model.config import ModelConfig, MoEConfig
 from growtrain.model.expert_parallel import EPGroup, expert_parallel_ffn
 from growtrain.model.af import AFGroup, af_expert_ffn
@@ -145,7 +144,7 @@ class Router(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init.normal_(self.weight, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
         with torch.no_grad():
             self.balance_bias.zero_()
 
@@ -169,9 +168,9 @@ class Experts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init.normal_(self.w_gate, mean=0.0, std=self.init_std)
-        init.normal_(self.w_up, mean=0.0, std=self.init_std)
-        init.normal_(self.w_down, mean=0.0, std=self.out_std)
+        nn.init.normal_(self.w_gate, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w_up, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w_down, mean=0.0, std=self.out_std)
 
     def forward(self, x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, backend: str = "reference") -> torch.Tensor:
         # Reading the parameters here (not in the MoE layer) lets wrappers that re-parametrize them

@@ -42,7 +42,6 @@ from growtrain.kernels.nf4_reference import (
     dequantize_experts_bitsandbytes,
     nf4_buffer_shapes,
 )
-from growtrain.model import init
 from growtrain.model.config import ExpertLoRAConfig
 
 MATRICES = ("w_gate", "w_up", "w_down")
@@ -274,7 +273,7 @@ class NF4Experts(nn.Module):
         for m in MATRICES:
             A, B = getattr(self, f"{m}_lora_A"), getattr(self, f"{m}_lora_B")
             bound = 1.0 / math.sqrt(A.shape[-1])
-            init.uniform_(A, -bound, bound)
+            nn.init.uniform_(A, -bound, bound)
             nn.init.zeros_(B)
 
     @property
