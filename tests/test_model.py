@@ -475,4 +475,3 @@ def test_attention_matches_an_explicit_causal_softmax_with_rope():
         heads.append(s.softmax(-1) @ v[:, h // 2])
     expected = torch.cat(heads, -1) @ attn.wo.weight.T
     torch.testing.assert_close(attn(x)[0], expected, rtol=1e-12, atol=1e-12)
-
