@@ -39,7 +39,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -242,7 +241,7 @@ def part5(out: Path, device: str) -> dict:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from host_syncs import recipe as sync_recipe
 
-    from growtrain.host_syncs import per_step_syncs
+    from growtrain.host_syncs import call_site, per_step_syncs
 
     raw = sync_recipe(4, 2)
     raw["train"]["device"] = device
@@ -257,7 +256,7 @@ def part5(out: Path, device: str) -> dict:
 
         def show(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" in str(message):
-                sites[n][_caller()] += 1
+                sites[n][call_site()] += 1
 
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -278,17 +277,6 @@ def part5(out: Path, device: str) -> dict:
     got = per_step_syncs(raw, 3, out / "syncs")
     return {"ok": got["trainer"] <= 1, "syncs_per_step_4_moe_blocks_accum2": got["trainer"], "reference_backend": got["expert_backend"],
             "counted_by": "growtrain.host_syncs"}
-
-
-def _caller() -> str:
-    """file:line of the innermost growtrain frame (kernels, stages, model) that made the call."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(REPO) and not path.is_relative_to(REPO / "benchmarks"):
-            return f"{path.relative_to(REPO)}:{frame.lineno}"
-        if "site-packages/growtrain" in frame.filename:  # an installed copy
-            return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
-    return "elsewhere"
 
 
 def main() -> int:

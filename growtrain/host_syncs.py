@@ -37,10 +37,15 @@ _DATA_DEPENDENT = {
 _ROOT = str(Path(__file__).resolve().parents[1])
 
 
-def _site() -> str:
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        if frame.filename.startswith(_ROOT) and not frame.filename.endswith("host_syncs.py"):
-            return f"{Path(frame.filename).relative_to(_ROOT)}:{frame.lineno}"
+def call_site() -> str:
+    """file:line, from the repository root, of the innermost frame of growtrain's own code on the
+    stack: not this module's, a benchmark's or an installed package's (torch's Python layers)."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_ROOT):
+            continue
+        rel = str(Path(frame.filename).relative_to(_ROOT))
+        if not (rel.endswith("host_syncs.py") or rel.startswith("benchmarks") or "site-packages" in rel):
+            return f"{rel}:{frame.lineno}"
     return "elsewhere"
 
 
@@ -57,7 +62,7 @@ class SyncCounter(TorchDispatchMode):
         return sum(self.by_site.values())
 
     def _hit(self) -> None:
-        self.by_site[_site()] += 1
+        self.by_site[call_site()] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .combine_plan import CombinePlan
-from .grouped import _NO_FLAGS, _NO_OPERAND, TileConfig, _dot_precision, _pow2_at_least_16, launch_fitted, lora_tiles, operand_args, project_tile, tile_config
+from .grouped import _NO_FLAGS, _NO_OPERAND, TileConfig, _dot_precision, LORA_FLAG, _pow2_at_least_16, launch_fitted, operand_args, project_tile, tile_config
 from .weights import LoRA, weight_shape
 
 
@@ -112,9 +112,10 @@ def _plan_on(plan: CombinePlan, device: torch.device) -> CombinePlan:
     return plan if plan.tile_row_T.device == device else plan.to(device)
 
 
-def producer_config(plan: CombinePlan, dual: bool, device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
-    """The producer's tiles: block_m from the plan; the consumer must use the same block_n."""
-    return tile_config("dual" if dual else "single", plan.padded_rows, plan.num_experts, torch.device(device), block_m=plan.block_m, dtype=dtype)
+def producer_config(plan: CombinePlan, dual: bool, device, dtype: torch.dtype = torch.bfloat16, lora: bool = False) -> TileConfig:
+    """The producer's tiles: block_m from the plan; the consumer must use the same block_n (which
+    does not depend on `lora`)."""
+    return tile_config("dual" if dual else "single", plan.padded_rows, plan.num_experts, torch.device(device), block_m=plan.block_m, dtype=dtype, lora=lora)
 
 
 def num_flags(plan: CombinePlan, n_out: int, block_n: int) -> int:
@@ -142,7 +143,8 @@ def produce_tiles(
     is the consumer's)."""
     x = op1[0][0]
     K, NOUT = x.shape[1], y_PO.shape[1]
-    cfg = producer_config(plan, op2 is not None, x.device, x.dtype)
+    args2, flags2 = op2 if op2 is not None else (_NO_OPERAND, _NO_FLAGS)
+    cfg = producer_config(plan, op2 is not None, x.device, x.dtype, lora=op1[1][LORA_FLAG] or flags2[LORA_FLAG])
     if flags.numel() < num_flags(plan, NOUT, cfg.block_n):
         raise ValueError(f"flags needs {num_flags(plan, NOUT, cfg.block_n)} entries, has {flags.numel()}")
     if plan.num_tiles == 0 or NOUT == 0:
@@ -150,7 +152,6 @@ def produce_tiles(
     plan = _plan_on(plan, x.device)
     programs = num_programs or default_producer_programs(x.device, 0)
     ranks = [op1[0][-1]] + ([op2[0][-1]] if op2 is not None else [])
-    args2, flags2 = op2 if op2 is not None else (_NO_OPERAND, _NO_FLAGS)
     br = _pow2_at_least_16(max(ranks))
 
     def launch(c: TileConfig) -> None:
@@ -164,7 +165,6 @@ def produce_tiles(
         )
 
     # block_n stays as the consumer was told: only stages and block_k shrink
-    cfg = lora_tiles(cfg, op1[1][4] or flags2[4], x.device)
     return launch_fitted("combine_producer", (x.device, x.dtype, op2 is not None, br, op1[1], flags2), cfg, launch)
 
 

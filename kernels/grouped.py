@@ -21,9 +21,8 @@ T row tiles, K reduction length, O output columns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import logging
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -220,10 +219,12 @@ _CPU_CONFIG = TileConfig(16, 32, 32, 1, 1)
 
 
 def tile_config(
-    kind: str, n_rows: int, n_experts: int, device: torch.device, block_m: int | None = None, dtype: torch.dtype = torch.bfloat16
+    kind: str, n_rows: int, n_experts: int, device: torch.device, block_m: int | None = None, dtype: torch.dtype = torch.bfloat16,
+    lora: bool = False,
 ) -> TileConfig:
     """kind: "single" (one projection) or "dual" (gate and up, or the two halves of dx).
-    block_m forces the row tile (a combine plan fixes it); otherwise it follows rows per expert."""
+    block_m forces the row tile (a combine plan fixes it); otherwise it follows rows per expert.
+    lora: an operand has a LoRA pair (its reduction tile is narrower on a GPU; block_n stays)."""
     if device.type != "cuda":
         return _CPU_CONFIG if block_m is None else replace(_CPU_CONFIG, block_m=block_m)
     if block_m is None:
@@ -232,6 +233,12 @@ def tile_config(
     if dtype == torch.float32:
         # 4-byte tiles: 3 stages of 128x64 + 64x128 fp32 would take ~192 KB of shared memory.
         cfg = replace(cfg, block_n=64, block_k=32, num_stages=2)
+    if lora:
+        # With bf16 and 64-wide reduction tiles the adapter's dot (x @ L1, N = 16) read shared
+        # memory out of bounds on an H200 (compute-sanitizer, Triton 3.6): wrong input gradients,
+        # then an illegal address. 32 x 2 stages passed the same tests; 64 x 1 stage and 32-wide
+        # columns did not.
+        cfg = replace(cfg, block_k=min(cfg.block_k, 32), num_stages=min(cfg.num_stages, 2))
     return cfg
 
 
@@ -241,16 +248,6 @@ _log = logging.getLogger(__name__)
 # buffers that Triton's pipeliner multiplies by num_stages (an H200 refused 256 KB for the NF4
 # down projection at 128 x 128 x 64, 3 stages).
 _FITTED: dict[tuple, TileConfig] = {}
-
-
-def lora_tiles(cfg: TileConfig, has_lora: bool, device: torch.device) -> TileConfig:
-    """The config for a launch with a LoRA operand: on a GPU, reduction tiles of 32 and 2 stages.
-    With bf16 and 64-wide reduction tiles the adapter's dot (x @ L1, N = 16) read shared memory
-    out of bounds on an H200 (compute-sanitizer, Triton 3.6): wrong input gradients, then an
-    illegal address; 32 x 2 stages passed the same tests, 64 x 1 stage and 32-wide columns did not."""
-    if not has_lora or device.type != "cuda":
-        return cfg
-    return replace(cfg, block_k=min(cfg.block_k, 32), num_stages=min(cfg.num_stages, 2))
 
 
 def _smaller(cfg: TileConfig) -> TileConfig | None:
@@ -307,6 +304,7 @@ def row_tiles(offsets_E1: torch.Tensor, n_rows: int, block_m: int) -> tuple[torc
 
 _NO_OPERAND = [None] * 23
 _NO_FLAGS = (False, False, 64, 256, False, False)
+LORA_FLAG = 4  # where operand_args' constexpr flags say whether the operand has a LoRA pair
 
 
 def operand_args(x: torch.Tensor, w, transpose: bool, lora: LoRA | None, z: torch.Tensor | None):
@@ -357,8 +355,8 @@ def launch_grouped_mm(
     if N == 0 or NOUT == 0:
         return
     E = offsets_E1.numel() - 1
-    cfg = config or tile_config("dual" if op2 is not None else "single", N, E, x.device, dtype=x.dtype)
-    cfg = lora_tiles(cfg, op1[1][4] or (op2 is not None and op2[1][4]), x.device)
+    lora = op1[1][LORA_FLAG] or (op2 is not None and op2[1][LORA_FLAG])
+    cfg = config or tile_config("dual" if op2 is not None else "single", N, E, x.device, dtype=x.dtype, lora=lora)
     tile_expert, tile_row = row_tiles(offsets_E1, N, cfg.block_m)
     ranks = [op1[0][-1]] + ([op2[0][-1]] if op2 is not None else [])
     args2, flags2 = op2 if op2 is not None else (_NO_OPERAND, _NO_FLAGS)

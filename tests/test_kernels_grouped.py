@@ -342,9 +342,10 @@ def test_a_launch_out_of_shared_memory_retries_smaller_and_remembers_the_fit():
 
 
 def test_lora_launches_on_a_gpu_take_32_wide_reduction_tiles_in_2_stages():
-    from growtrain.kernels.grouped import TileConfig, lora_tiles
+    from growtrain.kernels.grouped import tile_config
 
-    cfg = TileConfig(128, 64, 64, 8, 3)
-    assert lora_tiles(cfg, True, torch.device("cuda")) == TileConfig(128, 64, 32, 8, 2)
-    assert lora_tiles(cfg, False, torch.device("cuda")) == cfg
-    assert lora_tiles(cfg, True, torch.device("cpu")) == cfg
+    cuda = torch.device("cuda")
+    plain, lora = tile_config("dual", 4096, 8, cuda), tile_config("dual", 4096, 8, cuda, lora=True)
+    assert (plain.block_k, plain.num_stages) == (64, 3) and (lora.block_k, lora.num_stages) == (32, 2)
+    assert (lora.block_m, lora.block_n) == (plain.block_m, plain.block_n)  # the combine's consumer relies on block_n
+    assert tile_config("dual", 4096, 8, torch.device("cpu"), lora=True) == tile_config("dual", 4096, 8, torch.device("cpu"))

@@ -251,7 +251,8 @@ class MoE(nn.Module):
         expert_S = idx_TK.reshape(-1)
         order_S = torch.argsort(expert_S, stable=True)
         # Offsets by binary search in the sorted ids, not bincount: CUDA's bincount reads the ids'
-        # min and max on the host (two syncs per call, measured on an H200).
+        # range on the host (an H200 counted 33 syncs per step with it, 1 without: 4 MoE layers,
+        # 2 micro-batches, forward and reversible recompute).
         offsets_E1 = torch.searchsorted(expert_S[order_S], torch.arange(E + 1, device=x.device, dtype=expert_S.dtype))
         counts_E = offsets_E1[1:] - offsets_E1[:-1]
         # Expand-then-gather (not x_TD[order // K]): its backward is a plain sum over K plus a
