@@ -14,7 +14,8 @@
 # with summary.txt; exit code 0 only when every part that ran passed.
 #
 # Order on a GPU: the benchmark first, on an idle GPU; then the kernel tests and the training
-# checks side by side (their outputs in files, shown after). PARTS="1 3" runs only those parts.
+# checks side by side (their outputs in files, shown after). PARTS="1 3" runs only those parts;
+# BENCH_ARGS passes options to benchmarks/kernels.py.
 # Python packages the GPU image lacks (bitsandbytes) are taken from wheels in .whl/ when present
 # (README: GPU validation), since such a machine may reach no package index.
 set -u
@@ -55,7 +56,8 @@ if ! "$PY" -c "import growtrain.kernels.weights, growtrain.train" 2>/dev/null; t
 fi
 
 if [ "$CPU" -eq 0 ] && want 2; then
-  timeout 150 "$PY" benchmarks/kernels.py --json > "$OUT/bench.json" 2> "$OUT/bench.err"
+  # BENCH_ARGS="--sweep --profile" (with BENCH_TIMEOUT=300) adds the tile-config sweep and a kernel profile.
+  timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/kernels.py --json ${BENCH_ARGS:-} > "$OUT/bench.json" 2> "$OUT/bench.err"
   RC[2_kernel_benchmark]=$?
   if [ -s "$OUT/bench.json" ]; then  # exit 1: a target missed, the figures are there
     "$PY" benchmarks/kernels.py --table "$OUT/bench.json" | tee "$OUT/bench_table.txt"

@@ -10,7 +10,9 @@
    grown on the host
    (`train.grow_on: host`: model and optimizer state moved to host memory for each growth and
    back), its growth checks pass and its losses follow the device-grown run's within LOSS_BAR
-   at every step (whether they are bit-equal is reported);
+   at every step (whether they are bit-equal is reported); trained in bf16 autocast (on a Hopper
+   GPU the expert products then go through torch._grouped_mm), its growth checks pass (its
+   losses against the fp32 run's are reported);
 4. CUDA only: torch.cuda.max_memory_allocated per stage against `growtrain plan` for the same
    recipe on one GPU of the matching preset (ratio reported, within +-25%);
 5. host syncs per training step: on CUDA counted by torch.cuda.set_sync_debug_mode("warn"), on the
@@ -140,6 +142,8 @@ def part3(out: Path, device: str) -> dict:
         # growth on the host against growth on the GPU (on the CPU the host is the device:
         # tests/test_growth_placement.py runs that path)
         host = Run(out / "grown_on_host", device, backend, short, extra=("--set", "train.grow_on=host"), threads=4)
+        # bf16 autocast: the route training at scale takes (torch._grouped_mm products on Hopper)
+        bf16 = Run(out / "device_bf16", device, backend, short, extra=("--set", "train.precision=bf16"), threads=2)
         fork = out / "device_run" / "checkpoints" / f"step-{FORK_AT:08d}"
         while not (fork / "manifest.json").is_file() and main.proc.poll() is None:
             time.sleep(0.5)
@@ -148,10 +152,10 @@ def part3(out: Path, device: str) -> dict:
         # On the CPU, auto is the reference backend: the device run would repeat the reference run.
         ref = main = Run(out / "cpu_fp32", "cpu", "reference", short).wait()
         killed = Run(out / "killed", device, backend, short, fault=f"step_mid:{kill_at}")
-        host = None
+        host = bf16 = None
     killed.wait()
     resumed = Run(out / "killed", device, backend, short, threads=2 if parallel else 0).wait()
-    for r in (ref, main, host):
+    for r in (ref, main, host, bf16):
         if r is not None and r.seconds is None:
             r.wait()
     device_dir = main.out
@@ -202,9 +206,22 @@ def part3(out: Path, device: str) -> dict:
         else:
             res["host_growth_error"] = host.stderr[-1500:]
             host_ok = False
+    bf16_ok = True
+    if bf16 is not None:
+        res["bf16_rc"] = bf16.returncode
+        res["bf16_products"] = sorted(set(re.findall(r"products by ([\w.]+)", bf16.stdout)))
+        if bf16.returncode == 0:
+            h = losses(bf16.out)
+            res["bf16_growth_checks"] = "passed" if "growth check failed" not in bf16.stdout else "failed"
+            res["bf16_vs_fp32_max_rel_loss_diff"] = max(abs(h[s] - b[s]) / abs(b[s]) for s in b if s in h)
+            res["final_loss_bf16"] = h[max(h)]
+            bf16_ok = res["bf16_growth_checks"] == "passed"
+        else:
+            res["bf16_error"] = bf16.stderr[-1500:]
+            bf16_ok = False
     res["ok"] = (
         res["growth_checks"] == "passed" and (device == "cpu" or res["max_rel_loss_diff_all_steps"] <= LOSS_BAR) and killed.returncode == -signal.SIGKILL
-        and res["resumed"] and res.get("resume_bitwise", False) and host_ok
+        and res["resumed"] and res.get("resume_bitwise", False) and host_ok and bf16_ok
     )
     return res
 

@@ -135,7 +135,7 @@ class Dist:
     ):
         self.rank, self.size = rank, size
         # layout: af: this rank's place, and the attention ranks' group (dense gradients, ZeRO-1)
-        self.af = AFGroup(rank, size, attention) if attention is not None else None
+        self.af = AFGroup(rank, size, attention, combine=combine) if attention is not None else None
         self.dense_group = dense_group
         # The groups this rank's MoE calls go through: the layout's, or under af_schedule:
         # pingpong its lane's (an attention rank) or every lane's, served in turn (an expert rank).
@@ -180,7 +180,7 @@ class Dist:
                     members = [a for a in range(attention) if a % 2 == lane] + list(range(attention, size))
                     group = dist.new_group(ranks=members)
                     if rank in members:
-                        lanes.append(AFGroup(members.index(rank), len(members), len(members) - (size - attention), group))
+                        lanes.append(AFGroup(members.index(rank), len(members), len(members) - (size - attention), group, cfg.combine))
         d = cls(rank, dist.get_world_size(), cfg.combine, attention, dense_group, lanes)
         d.timeout = datetime.timedelta(seconds=cfg.timeout_s)
         collective_guard.install_from_env(d.device)  # GROWTRAIN_CHECK_COLLECTIVES=1: NCCL's rules on any backend
@@ -217,7 +217,7 @@ class Dist:
     def describe(self) -> str:
         if self.af is not None:
             schedule = ", ping-pong schedule (two lanes)" if self.pingpong else ", sequential schedule"
-            return f"AF layout: {self.af.attention} attention + {self.af.expert_ranks} expert ranks{schedule}"
+            return f"AF layout: {self.af.attention} attention + {self.af.expert_ranks} expert ranks{schedule}, {self.af.combine} combine"
         return f"expert parallelism: {self.size} processes, {self.ep.combine} combine"
 
     def close(self) -> None:
@@ -252,14 +252,16 @@ class Dist:
         dist.all_reduce(t)
         return t / self.data_ranks
 
-    def af_means(self, ce: torch.Tensor, aux: torch.Tensor, wait_fraction: float) -> list[torch.Tensor]:
-        """AF layout: the losses averaged over the attention ranks, the attention ranks' mean
-        share of the passes spent waiting on the experts, and the expert ranks' mean share spent
-        idle (`wait_fraction`: this rank's), in one all-reduce."""
-        mine = [wait_fraction, 0.0] if self.af.is_attention else [0.0, wait_fraction]
+    def af_means(self, ce: torch.Tensor, aux: torch.Tensor, wait_fraction: float, busy_s: float) -> list[torch.Tensor]:
+        """AF layout, in one all-reduce: the losses averaged over the attention ranks; the
+        attention ranks' mean share of the passes spent waiting on the experts and the expert
+        ranks' mean share spent idle (`wait_fraction`: this rank's); the attention ranks' and the
+        expert ranks' mean seconds of the passes not waiting (`busy_s`: this rank's)."""
+        mine = [wait_fraction, 0.0, busy_s, 0.0] if self.af.is_attention else [0.0, wait_fraction, 0.0, busy_s]
         v = torch.stack([ce.double(), aux.double(), *torch.tensor(mine, dtype=torch.float64, device=ce.device)])
         dist.all_reduce(v)
-        return list((v / torch.tensor([self.af.attention] * 3 + [self.af.expert_ranks], dtype=torch.float64, device=v.device)).unbind(0))
+        A, F = self.af.attention, self.af.expert_ranks
+        return list((v / torch.tensor([A, A, A, F, A, F], dtype=torch.float64, device=v.device)).unbind(0))
 
     def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks, on its device, without a host sync."""

@@ -129,9 +129,10 @@ class TrainConfig:
     expert_backend: str = field(
         default="auto",
         metadata={
-            "doc": "Kernels of the routed experts: auto (the Triton kernels on a CUDA GPU, full precision and NF4 + LoRA "
-            "fused; the PyTorch reference elsewhere), reference, or triton (on the CPU it logs that it runs the "
-            "reference). A runtime setting: no part of the model's shape, so a resume may change it.",
+            "doc": "Kernels of the routed experts: auto (the Triton kernels on a CUDA GPU, full precision and NF4 + LoRA; "
+            "on a Hopper GPU in bf16 their products run through torch._grouped_mm, NF4 dequantized first; the PyTorch "
+            "reference elsewhere), reference, or triton (on the CPU it logs that it runs the reference). A runtime "
+            "setting: no part of the model's shape, so a resume may change it.",
             "check": _expert_backend_problem,
         },
     )

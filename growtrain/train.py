@@ -567,6 +567,10 @@ class Run:
         # Runtime state, not shape: set on the model as built or restored, and again after each growth.
         backend = self.model.set_expert_backend(recipe.train.expert_backend)
         self.log(f"expert backend: {backend} (train.expert_backend: {recipe.train.expert_backend})")
+        if backend == "triton":
+            from growtrain.kernels.backend import triton_route
+
+            self.log(f"  {triton_route(self.device, torch.bfloat16 if recipe.train.precision == 'bf16' else torch.float32)}")
         if self.dist.is_main:
             (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))
             if self.tokenizer_text is not None:
@@ -788,7 +792,7 @@ class Run:
                 ce_acc, aux_acc = self.dist.mean_tensor(torch.stack([ce_acc, aux_acc])).unbind(0)
                 waits = []
             else:  # and each side's share of the passes spent waiting on the other (af.AFClock)
-                ce_acc, aux_acc, *waits = self.dist.af_means(ce_acc, aux_acc, af_clock.wait_s / max(passes_s, 1e-9))
+                ce_acc, aux_acc, *waits = self.dist.af_means(ce_acc, aux_acc, af_clock.wait_s / max(passes_s, 1e-9), passes_s - af_clock.wait_s)
             maybe_fault("step_mid")
             # Measured in the seed model's parametrization (per-element weights set by growth), so
             # clipping scales a grown model's step as it would have scaled the ungrown one's.
@@ -840,8 +844,12 @@ class Run:
                 "skipped": not finite,
             }
             if waits:  # AF layout: what the planner's pipeline model predicts (README: AF mode)
-                record["af/attention_wait_fraction"], record["af/expert_idle_fraction"] = waits
+                record["af/attention_wait_fraction"], record["af/expert_idle_fraction"], attention_busy, expert_busy = waits
                 record["af/passes_s"] = passes_s
+                # each side's compute per micro-batch (its ranks' mean; the passes less the waits)
+                record["af/attention_s_per_microbatch"] = attention_busy / stage.grad_accum
+                record["af/expert_s_per_microbatch"] = expert_busy / stage.grad_accum
+                record["af/microbatches"] = stage.grad_accum
             t_last = now
             self.progress.step_done(pos.stage)
             if finite:

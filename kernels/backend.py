@@ -47,6 +47,23 @@ def triton_unavailable_reason(device: torch.device | str) -> str | None:
     return None
 
 
+def triton_route(device: torch.device | str, dtype: torch.dtype) -> str:
+    """What the `triton` backend's expert products run on for this device and compute dtype (logged
+    at start): torch._grouped_mm where it runs (grouped_torch.gemm_unavailable_reason), NF4 bases
+    dequantized first on a GPU (grouped.resolve_nf4_decode); the Triton kernels otherwise."""
+    from . import grouped_torch
+
+    device = torch.device(device)
+    if triton_unavailable_reason(device) is not None:
+        return "products by the PyTorch reference (Triton cannot run here)"
+    probe = torch.empty(0, device=device, dtype=dtype)
+    reason = grouped_torch.gemm_unavailable_reason(probe, [], []) if device.type == "cuda" else "not a GPU"
+    nf4 = "NF4 bases dequantized first" if device.type == "cuda" else "NF4 decoded inside the kernel"
+    if reason is None:
+        return f"products by torch._grouped_mm ({str(dtype).replace('torch.', '')}; Triton where a width is not a multiple of 16 bytes), {nf4}"
+    return f"products by triton kernels ({reason}), {nf4}"
+
+
 def _fallback(reason: str, name: str) -> None:
     if reason not in _reported:
         _reported.add(reason)

@@ -1,5 +1,7 @@
 """Grouped SwiGLU expert GEMM over expert-sorted rows, in Triton: dense or NF4 base weights (NF4
-decoded per tile inside the kernel), LoRA fused, forward and backward as one autograd.Function.
+decoded per tile inside the kernel, or dequantized first: `resolve_nf4_decode`), LoRA in the
+epilogue, forward and backward as one autograd.Function. On a Hopper GPU in bf16 the same Function
+runs its products through torch._grouped_mm instead (kernels/grouped_torch.py, `resolve_gemm`).
 Functional entry: `grouped_swiglu`; reference: `reference.grouped_swiglu_lora_reference`.
 
 Math per expert e over its rows x (n of them):
@@ -8,10 +10,10 @@ Math per expert e over its rows x (n of them):
 Backward: dh = dy Wd + sd (dy Bd) Ad; dg = dh * u * silu'(g); du = dh * silu(g);
   dx = dg Wg + du Wu + LoRA terms; per-expert weight/LoRA gradients as row reductions.
 
-Kernels: `_grouped_mm_kernel` computes, for one (row tile, column tile), X @ W_logical with the
-low-rank term X @ L1 accumulated in the same K loop (one read of each X tile serves both) and
-applied as (X L1) @ L2 in the epilogue; an optional second operand is summed (dx) or combined by
-SwiGLU (forward gate/up); a third epilogue turns dh into dg, du. `_grouped_wgrad_kernel` reduces
+Kernels: `_grouped_mm_kernel` computes, for one (row tile, column tile), X @ W_logical plus the
+low-rank term Z @ L2 in the epilogue, Z = X @ L1 from a thin launch before (`low_rank`; inside the
+reduction loop its dot read shared memory out of bounds on an H200); an optional second operand is
+summed (dx) or combined by SwiGLU (forward gate/up); a third epilogue turns dh into dg, du. `_grouped_wgrad_kernel` reduces
 over an expert's rows: out[e] = scale * P[rows]^T @ Q[rows]. No atomics: every output element is
 written by exactly one program, so gradients are bitwise reproducible.
 
@@ -29,7 +31,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .nf4 import nf4_kernel_args, nf4_values
+from . import grouped_torch
+from .nf4 import dequantize_nf4_experts, nf4_kernel_args, nf4_values
 from .weights import ExpertLoRA, ExpertWeights, LoRA, NF4Weight, weight_shape
 
 MODE_PLAIN, MODE_SWIGLU, MODE_SWIGLU_BWD = 0, 1, 2
@@ -53,22 +56,18 @@ def _weight_tile(
 
 @triton.jit
 def project_tile(
-    rows, row_mask, e, n_offs, n_mask, K, save_z,
+    rows, row_mask, e, n_offs, n_mask, K,
     x_ptr, stride_xm,
     w_ptr, absmax_ptr, code_ptr, nabs_ptr, ncode_ptr, qoff_ptr, stride_we, stride_wk, stride_wn, numel,
-    l1_ptr, stride_l1e, stride_l1k, stride_l1r, l2_ptr, stride_l2e, stride_l2r, stride_l2n, z_ptr, scale, R,
-    NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, NQBLOCK: tl.constexpr,
-    LORA: tl.constexpr, SAVE_Z: tl.constexpr,
+    l2_ptr, stride_l2e, stride_l2r, stride_l2n, z_ptr, stride_zm, scale, R,
+    NF4: tl.constexpr, NESTED: tl.constexpr, QBLOCK: tl.constexpr, NQBLOCK: tl.constexpr, LORA: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """fp32 [BM, BN] = X[rows] @ W_e[:, n] + scale * (X[rows] @ L1_e) @ L2_e[:, n].
-    Stores X[rows] @ L1_e (in X's dtype) to z when SAVE_Z and save_z."""
+    """fp32 [BM, BN] = X[rows] @ W_e[:, n] + scale * Z[rows] @ L2_e[:, n], with Z = X @ L1 computed
+    beforehand (`low_rank`): the reduction loop holds one dot, so it takes the same tiles with or
+    without an adapter."""
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    lacc = tl.zeros((BM, BR), dtype=tl.float32)
-    r_offs = tl.arange(0, BR)
-    r_mask = r_offs < R
-    e64 = e.to(tl.int64)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     for k0 in range(0, K, BK):
         k_offs = k0 + tl.arange(0, BK)
@@ -79,45 +78,43 @@ def project_tile(
             stride_we, stride_wk, stride_wn, numel, NF4, NESTED, QBLOCK, NQBLOCK,
         )
         acc = tl.dot(x, w.to(dt), acc, input_precision=DOT_PREC)
-        if LORA:
-            l1 = tl.load(
-                l1_ptr + e64 * stride_l1e + k_offs[:, None] * stride_l1k + r_offs[None, :] * stride_l1r,
-                mask=k_mask[:, None] & r_mask[None, :],
-                other=0.0,
-            )
-            lacc = tl.dot(x, l1.to(dt), lacc, input_precision=DOT_PREC)
     if LORA:
-        low = lacc.to(dt)
-        if SAVE_Z:
-            z_cols = R * save_z.to(tl.int32)  # only one column tile writes z
-            z_mask = row_mask[:, None] & (r_offs < z_cols)[None, :]
-            tl.store(z_ptr + rows.to(tl.int64)[:, None] * R + r_offs[None, :], low, mask=z_mask)
+        r_offs = tl.arange(0, BR)
+        r_mask = r_offs < R
+        z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_zm + r_offs[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0)
         l2 = tl.load(
-            l2_ptr + e64 * stride_l2e + r_offs[:, None] * stride_l2r + n_offs[None, :] * stride_l2n,
+            l2_ptr + e.to(tl.int64) * stride_l2e + r_offs[:, None] * stride_l2r + n_offs[None, :] * stride_l2n,
             mask=r_mask[:, None] & n_mask[None, :],
             other=0.0,
         )
-        acc += scale * tl.dot(low, l2.to(dt), input_precision=DOT_PREC)
+        acc += scale * tl.dot(z, l2.to(dt), input_precision=DOT_PREC)
     return acc
 
 
 @triton.jit
 def _grouped_mm_kernel(
-    tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    tile_expert_ptr, tile_row_ptr, offsets_ptr, num_tiles,
     out_ptr, g_ptr, u_ptr, du_ptr, h_ptr, stride_om, K, NOUT,
     x1_ptr, stride_x1m,
     w1_ptr, absmax1_ptr, code1_ptr, nabs1_ptr, ncode1_ptr, qoff1_ptr, stride_w1e, stride_w1k, stride_w1n, numel1,
-    l1a_ptr, stride_l1ae, stride_l1ak, stride_l1ar, l1b_ptr, stride_l1be, stride_l1br, stride_l1bn, z1_ptr, scale1, R1,
+    l1_ptr, stride_l1e, stride_l1r, stride_l1n, z1_ptr, stride_z1m, scale1, R1,
     x2_ptr, stride_x2m,
     w2_ptr, absmax2_ptr, code2_ptr, nabs2_ptr, ncode2_ptr, qoff2_ptr, stride_w2e, stride_w2k, stride_w2n, numel2,
-    l2a_ptr, stride_l2ae, stride_l2ak, stride_l2ar, l2b_ptr, stride_l2be, stride_l2br, stride_l2bn, z2_ptr, scale2, R2,
-    NF4_1: tl.constexpr, NESTED_1: tl.constexpr, QBLOCK_1: tl.constexpr, NQBLOCK_1: tl.constexpr, LORA_1: tl.constexpr, SAVE_Z_1: tl.constexpr,
-    NF4_2: tl.constexpr, NESTED_2: tl.constexpr, QBLOCK_2: tl.constexpr, NQBLOCK_2: tl.constexpr, LORA_2: tl.constexpr, SAVE_Z_2: tl.constexpr,
+    l2_ptr, stride_l2e, stride_l2r, stride_l2n, z2_ptr, stride_z2m, scale2, R2,
+    NF4_1: tl.constexpr, NESTED_1: tl.constexpr, QBLOCK_1: tl.constexpr, NQBLOCK_1: tl.constexpr, LORA_1: tl.constexpr,
+    NF4_2: tl.constexpr, NESTED_2: tl.constexpr, QBLOCK_2: tl.constexpr, NQBLOCK_2: tl.constexpr, LORA_2: tl.constexpr,
     MODE: tl.constexpr, DUAL: tl.constexpr, SAVE_AUX: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Programs run GROUP_M row tiles across all column tiles before moving on, so the rows a wave
+    # reads stay in L2 (row tiles outermost re-read all of X once per column tile).
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(NOUT, BN)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
     e = tl.load(tile_expert_ptr + pid_m)
     # The tile list is an upper bound computed without a host sync; spare entries hold -1.
     if e >= 0:
@@ -126,19 +123,18 @@ def _grouped_mm_kernel(
         row_mask = rows < row_end
         n_offs = pid_n * BN + tl.arange(0, BN)
         n_mask = n_offs < NOUT
-        save_z = pid_n == 0
         acc = project_tile(
-            rows, row_mask, e, n_offs, n_mask, K, save_z, x1_ptr, stride_x1m,
+            rows, row_mask, e, n_offs, n_mask, K, x1_ptr, stride_x1m,
             w1_ptr, absmax1_ptr, code1_ptr, nabs1_ptr, ncode1_ptr, qoff1_ptr, stride_w1e, stride_w1k, stride_w1n, numel1,
-            l1a_ptr, stride_l1ae, stride_l1ak, stride_l1ar, l1b_ptr, stride_l1be, stride_l1br, stride_l1bn, z1_ptr, scale1, R1,
-            NF4_1, NESTED_1, QBLOCK_1, NQBLOCK_1, LORA_1, SAVE_Z_1, BM, BN, BK, BR, DOT_PREC,
+            l1_ptr, stride_l1e, stride_l1r, stride_l1n, z1_ptr, stride_z1m, scale1, R1,
+            NF4_1, NESTED_1, QBLOCK_1, NQBLOCK_1, LORA_1, BM, BN, BK, BR, DOT_PREC,
         )
         if DUAL:
             acc2 = project_tile(
-                rows, row_mask, e, n_offs, n_mask, K, save_z, x2_ptr, stride_x2m,
+                rows, row_mask, e, n_offs, n_mask, K, x2_ptr, stride_x2m,
                 w2_ptr, absmax2_ptr, code2_ptr, nabs2_ptr, ncode2_ptr, qoff2_ptr, stride_w2e, stride_w2k, stride_w2n, numel2,
-                l2a_ptr, stride_l2ae, stride_l2ak, stride_l2ar, l2b_ptr, stride_l2be, stride_l2br, stride_l2bn, z2_ptr, scale2, R2,
-                NF4_2, NESTED_2, QBLOCK_2, NQBLOCK_2, LORA_2, SAVE_Z_2, BM, BN, BK, BR, DOT_PREC,
+                l2_ptr, stride_l2e, stride_l2r, stride_l2n, z2_ptr, stride_z2m, scale2, R2,
+                NF4_2, NESTED_2, QBLOCK_2, NQBLOCK_2, LORA_2, BM, BN, BK, BR, DOT_PREC,
             )
         offs = rows.to(tl.int64)[:, None] * stride_om + n_offs[None, :]
         mask = row_mask[:, None] & n_mask[None, :]
@@ -204,41 +200,55 @@ class TileConfig:
     num_stages: int
 
 
-# Fixed configs instead of @triton.autotune (which needs an explicit do_bench under the
-# interpreter and costs minutes of tuning per shape). Two accumulators (gate and up) share a
-# register file, hence the narrower N for the dual kernel. Small experts waste most of a 128-row
-# tile, hence BM=64 below 128 rows per expert on average.
-_GPU_CONFIGS = {
-    ("single", 128): TileConfig(128, 128, 64, 8, 3),
+# Fixed configs instead of @triton.autotune: autotuning costs minutes per shape, needs an explicit
+# do_bench under the interpreter, and a config picked by timing can differ between runs, which
+# would change the summation order and so the bits a resumed run repeats. Two accumulators (gate
+# and up) share a register file, hence the narrower N for the dual kernel. Small experts waste
+# most of a 128-row tile, hence BM=64 below 128 rows per expert on average.
+# `benchmarks/kernels.py --sweep` times the candidates below on a GPU; GPU_CONFIGS holds its pick
+# from an H200 (bf16, TFLOP/s at the 120B expert shapes and at E 8, D 4096, F 2048): a plain
+# projection 404 and 351 at 128 x 256 (316 and 255 at 128 x 128); the dh launch, whose epilogue
+# reads g, u and writes dg, du, h, 217 and 175 at 128 x 128 (138 and 126 at 128 x 256); the dual
+# launches 349-416 at 128 x 128 x 64, 8 warps, 3 stages. The 64-row configs were not swept except
+# the dual one (342 at E 8, F 2048, gate + up).
+GPU_CONFIGS = {
+    ("single", 128): TileConfig(128, 256, 64, 8, 3),
     ("single", 64): TileConfig(64, 128, 64, 4, 4),
-    ("dual", 128): TileConfig(128, 64, 64, 8, 3),
-    ("dual", 64): TileConfig(64, 64, 64, 4, 4),
+    ("swiglu_bwd", 128): TileConfig(128, 128, 64, 8, 3),
+    ("swiglu_bwd", 64): TileConfig(64, 128, 64, 4, 4),
+    ("dual", 128): TileConfig(128, 128, 64, 8, 3),
+    ("dual", 64): TileConfig(64, 128, 64, 4, 3),
+}
+SWEEP_CANDIDATES = {
+    "single": [TileConfig(*c) for c in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 2), (128, 256, 64, 8, 4), (64, 256, 64, 4, 3))],
+    "swiglu_bwd": [TileConfig(*c) for c in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 8, 2), (128, 64, 64, 4, 4), (64, 128, 64, 4, 3))],
+    "dual": [TileConfig(*c) for c in ((128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 2), (64, 128, 64, 4, 3), (128, 128, 32, 8, 4))],
 }
 # The interpreter runs programs one at a time in numpy: small tiles keep the masks exercised.
 _CPU_CONFIG = TileConfig(16, 32, 32, 1, 1)
+# Row tiles a group of programs walks across all column tiles (the L2 swizzle of _grouped_mm_kernel).
+_GROUP_M = 8
 
 
 def tile_config(
     kind: str, n_rows: int, n_experts: int, device: torch.device, block_m: int | None = None, dtype: torch.dtype = torch.bfloat16,
-    lora: bool = False,
+    n_out: int | None = None,
 ) -> TileConfig:
-    """kind: "single" (one projection) or "dual" (gate and up, or the two halves of dx).
-    block_m forces the row tile (a combine plan fixes it); otherwise it follows rows per expert.
-    lora: an operand has a LoRA pair (its reduction tile is narrower on a GPU; block_n stays)."""
+    """kind: "single" (one projection), "swiglu_bwd" (dh, turned into dg and du), "dual" (gate
+    and up, or the two halves of dx) or "low_rank"
+    (X @ L1, n_out = the adapters' rank or ranks). block_m forces the row tile (a combine plan fixes
+    it); otherwise it follows rows per expert."""
     if device.type != "cuda":
         return _CPU_CONFIG if block_m is None else replace(_CPU_CONFIG, block_m=block_m)
     if block_m is None:
         block_m = 128 if n_rows / max(n_experts, 1) >= 128 else 64
-    cfg = _GPU_CONFIGS.get((kind, block_m)) or replace(_GPU_CONFIGS[(kind, 64)], block_m=block_m)
+    if kind == "low_rank":
+        # A thin output: the launch reads X once; the column tile covers all ranks up to 64.
+        return TileConfig(block_m, min(64, _pow2_at_least_16(n_out or 16)), 64, 4, 3)
+    cfg = GPU_CONFIGS.get((kind, block_m)) or replace(GPU_CONFIGS[(kind, 64)], block_m=block_m)
     if dtype == torch.float32:
         # 4-byte tiles: 3 stages of 128x64 + 64x128 fp32 would take ~192 KB of shared memory.
-        cfg = replace(cfg, block_n=64, block_k=32, num_stages=2)
-    if lora:
-        # With bf16 and 64-wide reduction tiles the adapter's dot (x @ L1, N = 16) read shared
-        # memory out of bounds on an H200 (compute-sanitizer, Triton 3.6): wrong input gradients,
-        # then an illegal address. 32 x 2 stages passed the same tests; 64 x 1 stage and 32-wide
-        # columns did not.
-        cfg = replace(cfg, block_k=min(cfg.block_k, 32), num_stages=min(cfg.num_stages, 2))
+        cfg = replace(cfg, block_n=min(cfg.block_n, 64), block_k=32, num_stages=2)
     return cfg
 
 
@@ -302,15 +312,14 @@ def row_tiles(offsets_E1: torch.Tensor, n_rows: int, block_m: int) -> tuple[torc
     return torch.where(e_T < E, ec_T, -1).to(torch.int32), row_T.to(torch.int32)
 
 
-_NO_OPERAND = [None] * 23
-_NO_FLAGS = (False, False, 64, 256, False, False)
-LORA_FLAG = 4  # where operand_args' constexpr flags say whether the operand has a LoRA pair
+_NO_OPERAND = [None] * 20
+_NO_FLAGS = (False, False, 64, 256, False)
 
 
 def operand_args(x: torch.Tensor, w, transpose: bool, lora: LoRA | None, z: torch.Tensor | None):
-    """Kernel arguments for one operand X @ W' (+ scale (X L1) L2): W' = W^T when `transpose`
-    (a forward projection) else W (an input gradient); L1, L2 = A^T, B^T or B, A accordingly.
-    Returns (23 runtime args, 6 constexpr flags)."""
+    """Kernel arguments for one operand X @ W' (+ scale Z L2, Z = X L1 from `low_rank`): W' = W^T
+    when `transpose` (a forward projection) else W (an input gradient); L1, L2 = A^T, B^T or B, A
+    accordingly. Returns (20 runtime args, 5 constexpr flags)."""
     if isinstance(w, NF4Weight):
         rows, cols = w.shape
         sk, sn = (1, cols) if transpose != w.transposed else (cols, 1)
@@ -323,15 +332,14 @@ def operand_args(x: torch.Tensor, w, transpose: bool, lora: LoRA | None, z: torc
         wargs = [w, None, None, None, None, None, se, sk, sn, 0]
         nf4 = (False, False, 64, 256)
     if lora is None:
-        largs = [None, 0, 0, 0, None, 0, 0, 0, None, 0.0, 0]
+        largs = [None, 0, 0, 0, None, 0, 0.0, 0]
     else:
+        if z is None or z.shape != (x.shape[0], lora.rank) or z.stride(1) != 1:
+            raise ValueError(f"an operand with a LoRA pair needs z = X @ L1 [{x.shape[0]}, {lora.rank}] (low_rank), got {None if z is None else list(z.shape)}")
         A, B = lora.A_ERI, lora.B_EOR
-        if transpose:
-            first, fk, fr, second, sr, sn2 = A, A.stride(2), A.stride(1), B, B.stride(2), B.stride(1)
-        else:
-            first, fk, fr, second, sr, sn2 = B, B.stride(1), B.stride(2), A, A.stride(1), A.stride(2)
-        largs = [first, first.stride(0), fk, fr, second, second.stride(0), sr, sn2, z, float(lora.scale), lora.rank]
-    return [x, x.stride(0), *wargs, *largs], (*nf4, lora is not None, z is not None)
+        second, sr, sn2 = (B, B.stride(2), B.stride(1)) if transpose else (A, A.stride(1), A.stride(2))
+        largs = [second, second.stride(0), sr, sn2, z, z.stride(0), float(lora.scale), lora.rank]
+    return [x, x.stride(0), *wargs, *largs], (*nf4, lora is not None)
 
 
 def launch_grouped_mm(
@@ -347,37 +355,64 @@ def launch_grouped_mm(
     h: torch.Tensor | None = None,
     save_aux: bool = False,
     config: TileConfig | None = None,
-) -> None:
-    """out[N, O] (+ epilogue outputs) from operand(s) given as operand_args(...) argument tuples."""
+    kind: str | None = None,
+) -> TileConfig | None:
+    """out[N, O] (+ epilogue outputs) from operand(s) given as operand_args(...) argument tuples.
+    Returns the tile config that ran (None when there was nothing to compute)."""
     x = op1[0][0]
     N, K = x.shape
     NOUT = out.shape[1]
     if N == 0 or NOUT == 0:
-        return
+        return None
     E = offsets_E1.numel() - 1
-    lora = op1[1][LORA_FLAG] or (op2 is not None and op2[1][LORA_FLAG])
-    cfg = config or tile_config("dual" if op2 is not None else "single", N, E, x.device, dtype=x.dtype, lora=lora)
+    kind = kind or ("dual" if op2 is not None else "swiglu_bwd" if mode == MODE_SWIGLU_BWD else "single")
+    cfg = config or tile_config(kind, N, E, x.device, dtype=x.dtype, n_out=NOUT)
     tile_expert, tile_row = row_tiles(offsets_E1, N, cfg.block_m)
+    num_tiles = tile_expert.numel()
     ranks = [op1[0][-1]] + ([op2[0][-1]] if op2 is not None else [])
     args2, flags2 = op2 if op2 is not None else (_NO_OPERAND, _NO_FLAGS)
-    grid = (tile_expert.numel(), triton.cdiv(NOUT, cfg.block_n))
     br = _pow2_at_least_16(max(ranks))
 
     def launch(c: TileConfig) -> None:
+        grid = (num_tiles * triton.cdiv(NOUT, c.block_n),)
         _grouped_mm_kernel[grid](
-            tile_expert, tile_row, offsets_E1,
+            tile_expert, tile_row, offsets_E1, num_tiles,
             out, g, u, du, h, out.stride(0), K, NOUT,
             *op1[0], *args2,
             *op1[1], *flags2,
             MODE=mode, DUAL=op2 is not None, SAVE_AUX=save_aux,
             BM=c.block_m, BN=c.block_n, BK=c.block_k, BR=br,
-            DOT_PREC=_dot_precision(x.dtype),
+            DOT_PREC=_dot_precision(x.dtype), GROUP_M=_GROUP_M,
             num_warps=c.num_warps, num_stages=c.num_stages,
             # Keeps in-kernel NF4 decoding bit-identical to dequantize_4bit (no FMA in the nested scale).
             enable_fp_fusion=False,
         )
 
-    launch_fitted("grouped_mm", (x.device, x.dtype, mode, save_aux, br, op1[1], flags2), cfg, launch)
+    return launch_fitted("grouped_mm", (x.device, x.dtype, mode, save_aux, br, op1[1], flags2), cfg, launch)
+
+
+def low_rank(x: torch.Tensor, offsets_E1: torch.Tensor, loras, transpose: bool) -> list[torch.Tensor | None]:
+    """Z = X @ L1 per expert for each LoRA pair in `loras` (None entries give None): X A^T when
+    `transpose` (forward), X B otherwise (input gradient). Pairs that share X run as one launch
+    over their L1s side by side; each Z is a column view of that [N, sum r] result."""
+    present = [lo for lo in loras if lo is not None]
+    if not present:
+        return [None] * len(loras)
+    if transpose:
+        l1 = present[0].A_ERI if len(present) == 1 else torch.cat([lo.A_ERI for lo in present], dim=1)
+    else:
+        l1 = present[0].B_EOR if len(present) == 1 else torch.cat([lo.B_EOR for lo in present], dim=2)
+    width = sum(lo.rank for lo in present)
+    z_all = x.new_empty((x.shape[0], width))
+    launch_grouped_mm(MODE_PLAIN, offsets_E1, z_all, operand_args(x, l1, transpose, None, None), kind="low_rank")
+    out, col = [], 0
+    for lo in loras:
+        if lo is None:
+            out.append(None)
+        else:
+            out.append(z_all[:, col : col + lo.rank])
+            col += lo.rank
+    return out
 
 
 def grouped_wgrad(p_NM: torch.Tensor, q_NO: torch.Tensor, offsets_E1: torch.Tensor, out_EMO: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -401,11 +436,60 @@ def grouped_wgrad(p_NM: torch.Tensor, q_NO: torch.Tensor, offsets_E1: torch.Tens
     return out_EMO
 
 
+NF4_DECODES = ("auto", "fused", "dequantize")
+
+
+def resolve_nf4_decode(decode: str, device: torch.device) -> str:
+    """auto: dequantize on a GPU, fused elsewhere. On an H200 the in-kernel decode (a dependent
+    gather chain per weight element inside the reduction loop) ran 15x slower than dequantizing
+    every expert matrix first (29.1 vs 1.9 ms, 64 experts x 8,192 rows); the interpreter has no
+    such cost and the fused path is the one whose masks the CPU tests exercise."""
+    if decode not in NF4_DECODES:
+        raise ValueError(f"nf4_decode must be one of {', '.join(NF4_DECODES)}, got {decode!r}")
+    if decode == "auto":
+        return "dequantize" if device.type == "cuda" else "fused"
+    return decode
+
+
+def _kernel_weights(spec: "_Spec", dense: tuple, dtype: torch.dtype) -> list:
+    """The three weights as the kernel reads them: dense tensors as given; NF4 stacks decoded inside
+    the kernel, or dequantized here to `dtype` (bit-identical values: the same nf4_values) and
+    handed over as dense [E, out, in] views. Dequantized copies live for one launch sequence."""
+    out = []
+    for w, q in zip(dense, spec.nf4):
+        if w is not None:
+            out.append(w)
+        elif spec.nf4_decode == "dequantize":
+            full = dequantize_nf4_experts(q, dtype)
+            out.append(full.transpose(1, 2) if q.transposed else full)
+        else:
+            out.append(q)
+    return out
+
+
+GEMMS = ("auto", "triton", "torch")
+
+
+def resolve_gemm(gemm: str, x: torch.Tensor, widths: list[int], tensors: list[torch.Tensor]) -> str:
+    """auto: torch._grouped_mm on a GPU where it runs (grouped_torch.gemm_unavailable_reason), the
+    Triton kernels otherwise. "torch" where it cannot run is an error naming why."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+    if gemm == "triton":
+        return gemm
+    reason = grouped_torch.gemm_unavailable_reason(x, widths, tensors)
+    if gemm == "torch" and reason is not None:
+        raise ValueError(f"gemm='torch': {reason}")
+    return "torch" if reason is None and (gemm == "torch" or x.device.type == "cuda") else "triton"
+
+
 @dataclass(frozen=True)
 class _Spec:
     nf4: tuple  # (NF4Weight | None) per matrix: gate, up, down
     scales: tuple  # LoRA scale per matrix (unused where there is no LoRA)
     save_for_backward: bool
+    nf4_decode: str = "fused"  # resolved: "fused" or "dequantize"
+    gemm: str = "triton"  # resolved: "triton" or "torch"
 
 
 class GroupedSwiGLUFunction(torch.autograd.Function):
@@ -414,26 +498,33 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offsets, spec: _Spec, wg, wu, wd, ag, bg, au, bu, ad, bd):
-        weights = [spec.nf4[i] if w is None else w for i, w in enumerate((wg, wu, wd))]
+        weights = _kernel_weights(spec, (wg, wu, wd), x.dtype)
         loras = [LoRA(a, b, s) if a is not None else None for a, b, s in zip((ag, au, ad), (bg, bu, bd), spec.scales)]
+        save = spec.save_for_backward
+        if spec.gemm == "torch":
+            y, saved = grouped_torch.forward(x, _ends(offsets), *grouped_torch.in_dtype(weights, loras, x.dtype), save)
+            if save:
+                ctx.spec = spec
+                ctx.save_for_backward(x, offsets, *saved, wg, wu, wd, ag, bg, au, bu, ad, bd)
+            return y
         N, D = x.shape
         F = weight_shape(weights[0])[1]
-        save = spec.save_for_backward
         h = x.new_empty((N, F))
         g = x.new_empty((N, F)) if save else None
         u = x.new_empty((N, F)) if save else None
-        z = [x.new_empty((N, lo.rank)) if save and lo is not None else None for lo in loras]
+        zg, zu = low_rank(x, offsets, loras[:2], True)
         launch_grouped_mm(
             MODE_SWIGLU, offsets, h,
-            operand_args(x, weights[0], True, loras[0], z[0]),
-            operand_args(x, weights[1], True, loras[1], z[1]),
+            operand_args(x, weights[0], True, loras[0], zg),
+            operand_args(x, weights[1], True, loras[1], zu),
             g=g, u=u, save_aux=save,
         )
+        (zd,) = low_rank(h, offsets, loras[2:], True)
         y = x.new_empty((N, D))
-        launch_grouped_mm(MODE_PLAIN, offsets, y, operand_args(h, weights[2], True, loras[2], z[2]))
+        launch_grouped_mm(MODE_PLAIN, offsets, y, operand_args(h, weights[2], True, loras[2], zd))
         if save:
             ctx.spec = spec
-            ctx.save_for_backward(x, offsets, g, u, *z, wg, wu, wd, ag, bg, au, bu, ad, bd)
+            ctx.save_for_backward(x, offsets, g, u, zg, zu, zd, wg, wu, wd, ag, bg, au, bu, ad, bd)
         return y
 
     @staticmethod
@@ -441,29 +532,43 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         x, offsets, g, u, zg, zu, zd, wg, wu, wd, ag, bg, au, bu, ad, bd = ctx.saved_tensors
         spec = ctx.spec
         needs = ctx.needs_input_grad
-        weights = [spec.nf4[i] if w is None else w for i, w in enumerate((wg, wu, wd))]
+        weights = _kernel_weights(spec, (wg, wu, wd), x.dtype)
         loras = [LoRA(a, b, s) if a is not None else None for a, b, s in zip((ag, au, ad), (bg, bu, bd), spec.scales)]
         dy = dy.to(x.dtype).contiguous()
         N, D = x.shape
         F = g.shape[1]
+        need_dx = needs[0]
+        need_dW = (needs[3], needs[4], needs[5])
         need_dA = (needs[6], needs[8], needs[10])
         need_dB = (needs[7], needs[9], needs[11])
-        need_dW = (needs[3], needs[4], needs[5])
+        if spec.gemm == "torch":
+            dx, dW, dA, dB = grouped_torch.backward(
+                dy, x, _ends(offsets), g, u, (zg, zu, zd), *grouped_torch.in_dtype(weights, loras, x.dtype), need_dx, need_dW, need_dA, need_dB,
+            )
+            like = (wg, wu, wd, ag, bg, au, bu, ad, bd)
+            grads = [*dW, dA[0], dB[0], dA[1], dB[1], dA[2], dB[2]]
+            grads = [None if d is None else d.to(t.dtype) for d, t in zip(grads, like)]
+            return dx, None, None, *grads
 
         # dh = dy Wd + sd (dy Bd) Ad, turned into dg, du (and h, recomputed, for the down-projection grads)
         dg, du = x.new_empty((N, F)), x.new_empty((N, F))
         need_h = need_dW[2] or need_dA[2]
         h = x.new_empty((N, F)) if need_h else None
-        zb = [x.new_empty((N, lo.rank)) if lo is not None and need_dA[i] else None for i, lo in enumerate(loras)]
-        launch_grouped_mm(MODE_SWIGLU_BWD, offsets, dg, operand_args(dy, weights[2], False, loras[2], zb[2]), g=g, u=u, du=du, h=h, save_aux=need_h)
+        (zbd,) = low_rank(dy, offsets, loras[2:], False)
+        launch_grouped_mm(MODE_SWIGLU_BWD, offsets, dg, operand_args(dy, weights[2], False, loras[2], zbd), g=g, u=u, du=du, h=h, save_aux=need_h)
 
+        # dg Bg, du Bu: for dx's LoRA terms and for dAg, dAu
+        zbg, zbu = (
+            low_rank(d, offsets, [lo if lo is not None and (need_dx or need_dA[i]) else None], False)[0]
+            for i, (d, lo) in enumerate(zip((dg, du), loras[:2]))
+        )
         dx = None
-        if needs[0] or need_dA[0] or need_dA[1]:
+        if need_dx:
             dx = x.new_empty((N, D))
             launch_grouped_mm(
                 MODE_PLAIN, offsets, dx,
-                operand_args(dg, weights[0], False, loras[0], zb[0]),
-                operand_args(du, weights[1], False, loras[1], zb[1]),
+                operand_args(dg, weights[0], False, loras[0], zbg),
+                operand_args(du, weights[1], False, loras[1], zbu),
             )
 
         def wgrad(p, q, like, scale=1.0):
@@ -473,14 +578,19 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         x_in = (x, x, h)  # each projection's input
         dW = [wgrad(d_in[i], x_in[i], w) if need_dW[i] else None for i, w in enumerate((wg, wu, wd))]
         dA, dB = [None] * 3, [None] * 3
-        for i, (lo, zf) in enumerate(zip(loras, (zg, zu, zd))):
+        for i, (lo, zf, zb) in enumerate(zip(loras, (zg, zu, zd), (zbg, zbu, zbd))):
             if lo is None:
                 continue
             if need_dB[i]:
                 dB[i] = wgrad(d_in[i], zf, lo.B_EOR, lo.scale)
             if need_dA[i]:
-                dA[i] = wgrad(zb[i], x_in[i], lo.A_ERI, lo.scale)
-        return (dx if needs[0] else None), None, None, *dW, dA[0], dB[0], dA[1], dB[1], dA[2], dB[2]
+                dA[i] = wgrad(zb, x_in[i], lo.A_ERI, lo.scale)
+        return dx, None, None, *dW, dA[0], dB[0], dA[1], dB[1], dA[2], dB[2]
+
+
+def _ends(offsets_E1: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm's offs: each expert's end row, int32, on the device (no host sync)."""
+    return offsets_E1[1:].to(torch.int32)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -489,12 +599,17 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def grouped_swiglu(x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, weights, lora=None) -> torch.Tensor:
+def grouped_swiglu(
+    x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, weights, lora=None, nf4_decode: str = "auto", gemm: str = "auto",
+) -> torch.Tensor:
     """y_sorted_ND for rows sorted by expert (offsets_E1[e]:offsets_E1[e+1] belong to expert e).
     weights = (gate [E,F,D], up [E,F,D], down [E,D,F]), each a tensor or an NF4Weight; lora =
     (gate, up, down) LoRA pairs, each optional. Computes in x's dtype (the autocast dtype under
     autocast), accumulating in fp32. Gradients flow to x, LoRA A/B, and dense weights that
-    require grad; NF4 bases are frozen."""
+    require grad; NF4 bases are frozen. nf4_decode: where NF4 bases are decoded ("fused" inside the
+    GEMM, "dequantize" first to the compute dtype, "auto": resolve_nf4_decode); same values either way.
+    gemm: what runs the products ("triton" kernels, "torch" for torch._grouped_mm, "auto":
+    resolve_gemm); the torch route dequantizes NF4 first."""
     weights = ExpertWeights(*weights)
     lora = ExpertLoRA(*(lora if lora is not None else (None, None, None)))
     dt = _compute_dtype(x_sorted_ND)
@@ -520,5 +635,15 @@ def grouped_swiglu(x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, weights,
         lora_tensors += [None, None] if lo is None else [lo.A_ERI, lo.B_EOR]
     tensors = [x, *[t for t in dense if t is not None], *[t for t in lora_tensors if t is not None]]
     save = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    spec = _Spec(nf4=nf4, scales=tuple(lo.scale if lo is not None else 0.0 for lo in lora), save_for_backward=save)
+    widths = [D, F, *(lo.rank for lo in lora if lo is not None)]
+    engine = resolve_gemm(gemm, x, widths, [x, *[t for t in dense if t is not None], *[t for t in lora_tensors if t is not None]])
+    decode = resolve_nf4_decode(nf4_decode, x.device)
+    if engine == "torch" and decode == "fused":
+        if nf4_decode == "fused":
+            raise ValueError("nf4_decode='fused' needs gemm='triton' (torch._grouped_mm takes dense weights)")
+        decode = "dequantize"
+    spec = _Spec(
+        nf4=nf4, scales=tuple(lo.scale if lo is not None else 0.0 for lo in lora), save_for_backward=save,
+        nf4_decode=decode, gemm=engine,
+    )
     return GroupedSwiGLUFunction.apply(x, offsets, spec, *dense, *lora_tensors)

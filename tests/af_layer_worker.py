@@ -112,6 +112,26 @@ def main(out: str, attention: str, expert_format: str, mode: str = "") -> None:
         dist.all_reduce(g)
         errors[f"layer{i}.router.weight"] = rel(g, refs[i].router.weight.grad)
 
+    # The serial combine (one all-to-all back) against the overlapped one used above (each chunk
+    # sent as it is computed): the same rows, gradients and expert gradients, bit for bit.
+    serial = AFGroup(rank, W, A, combine="serial")
+    for layer in layers:
+        layer.af = serial
+    before = {f"{i}.{n}": p.grad.clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters() if p.grad is not None}
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    if af.is_attention:
+        x2 = x_all[rank].clone().requires_grad_()
+        h2, _ = layers[0](x2)
+        y2, _ = layers[1](h2)
+        (y2 * g_all[rank]).sum().backward()
+        end_calls(serial, torch.device("cpu"))
+        flags["serial_combine_same_bits"] = torch.equal(y2, y.detach()) and torch.equal(x2.grad, x.grad)
+    else:
+        serve_calls(layers, serial, torch.device("cpu"))
+    after = {f"{i}.{n}": p.grad for i, layer in enumerate(layers) for n, p in layer.named_parameters() if p.grad is not None}
+    flags["serial_combine_same_grads"] = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
     write_report(out, errors, flags, {"collective_checks": guard_on})
     dist.destroy_process_group()
 

@@ -24,7 +24,10 @@ def test_moe_layers_split_over_attention_and_expert_ranks_match_the_whole_layers
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     got = json.loads(report.read_text())
     assert got["collective_checks"]
-    assert got["flags"] == {"no_experts_here": True, "load_is_global": True, "router_untouched": True, "three_calls_served": True}
+    assert got["flags"] == {
+        "no_experts_here": True, "load_is_global": True, "router_untouched": True, "three_calls_served": True,
+        "serial_combine_same_bits": True, "serial_combine_same_grads": True,
+    }
     # forward (with and without gradients), the inputs' gradients, both routers', every expert matrix's
     expected = {"y", "y_no_grad", "x_grad", "layer0.router.weight", "layer1.router.weight"}
     assert expected <= set(got["rel_err"]) and sum(".experts." in k for k in got["rel_err"]) == (6 if fmt == "full" else 12)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from conftest import cli_env, growth_report, losses, run_cli, train_recipe
+from conftest import REPO, cli_env, growth_report, losses, run_cli, train_recipe
 from test_expert_parallel import EP_RECIPE, assert_close_losses, growtrain_torchrun
 
 AF = ("--set", "distributed.layout=af")
@@ -55,6 +57,7 @@ def test_2_plus_2_and_1_plus_2_train_as_one_process_and_grow_alike(af_runs):
         assert [g[:3] for g in growth] == [g[:3] for g in one_growth] and len(growth) == 4  # 3 operators and the transition check
         for got, want in zip(growth, one_growth):  # the same checks on the same gathered model: fp32 rounding apart
             assert got[3] == pytest.approx(want[3], rel=0.05, abs=1e-6), (got, want)
+            assert got[4] == pytest.approx(want[4], rel=1e-3, abs=1e-5), (got, want)  # the loss change across the growth
         assert report["params_total"] == one_report["params_total"]
         assert report["layout"] == {"name": "af", "processes": attention + experts, "attention_ranks": attention, "expert_ranks": experts}
         meta = json.loads((run / "checkpoints/step-00000020/meta.json").read_text())
@@ -152,6 +155,8 @@ def test_the_ping_pong_schedule_trains_as_one_process_where_the_balance_loss_is_
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for row in rows:  # each side's measured wait, per step (the planner's pipeline model: benchmarks/af_pipeline.py)
         assert row["af/passes_s"] > 0 and 0 < row["af/expert_idle_fraction"] <= 1
+        assert row["af/attention_s_per_microbatch"] > 0, row  # each side's compute (its ranks' mean)
+        assert row["af/expert_s_per_microbatch"] >= 0 and row["af/microbatches"] == 1, row
         if row["stage"] == "dense":  # no MoE call: the attention ranks never wait, the expert ranks wait all along
             assert row["af/attention_wait_fraction"] == 0 and row["af/expert_idle_fraction"] > 0.5, row
         else:
@@ -168,6 +173,10 @@ def test_the_ping_pong_schedule_trains_as_one_process_where_the_balance_loss_is_
     split_rows = [row for row in rows if row["stage"] == "split"][1:]
     assert got["measured"]["expert_idle_fraction"] == statistics.median(row["af/expert_idle_fraction"] for row in split_rows)
     assert got["predicted"]["step_s"] > 0 and 0 <= got["predicted"]["expert_idle_fraction"] < 1
+    assert got["measured"]["expert_s"] == statistics.median(row["af/expert_s_per_microbatch"] * row["af/microbatches"] for row in split_rows)
+    assert got["predicted"]["attention_s"] > 0 and got["measured"]["attention_s"] > 0
+    r = run_cli("plan", recipe, "--gpus", "4", "--measured", run)  # the text form
+    assert r.returncode == 0 and "attention compute" in r.stdout and "expert ranks idle" in r.stdout, r.stdout + r.stderr
     r = run_cli("plan", recipe, "--gpus", "4", "--measured", one)
     assert r.returncode != 0 and "was not trained in an AF layout" in r.stderr
 
@@ -198,3 +207,21 @@ def test_one_process_with_an_af_layout_says_it_holds_everything(micro_recipe, tm
     r = run_cli("run", recipe, "--out", tmp_path / "one", *AF)
     assert r.returncode == 0, r.stderr
     assert "distributed.layout: af needs several processes (torchrun); one process holds everything" in r.stdout
+
+
+def test_the_af_pipeline_benchmark_runs_both_schedules_and_compares_them_with_the_plan():
+    # benchmarks/af_pipeline.py at its smallest: 3 processes, 2 attention ranks (ping-pong needs 2)
+    r = subprocess.run(
+        [sys.executable, "benchmarks/af_pipeline.py", "--nproc", "3", "--attention", "2", "--d-model", "32", "--layers", "2",
+         "--experts", "6", "--batch", "6", "--seq", "16", "--steps", "3", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])["af_pipeline"]
+    assert got["colocated_step_s"] > 0
+    for schedule in ("sequential", "pingpong"):
+        c = got[schedule]
+        assert (c["schedule"], c["attention_ranks"], c["expert_ranks"]) == (schedule, 2, 1)
+        for side in ("predicted", "measured"):
+            assert c[side]["step_s"] > 0 and 0 <= c[side]["expert_idle_fraction"] <= 1, (schedule, side, c[side])
+            assert c[side]["attention_s"] > 0 and c[side]["expert_s"] > 0, (schedule, side, c[side])

@@ -105,7 +105,7 @@ def test_plan_rejects_bad_ids_with_every_problem_named():
 
 if TRITON_MISSING is None:
     from growtrain.kernels.combine import consume_tiles, produce_tiles, producer_config, signaled_down_projection, signaled_input_grad
-    from growtrain.kernels.grouped import MODE_PLAIN, MODE_SWIGLU, launch_grouped_mm, operand_args
+    from growtrain.kernels.grouped import MODE_PLAIN, MODE_SWIGLU, launch_grouped_mm, low_rank, operand_args
 from growtrain.kernels.weights import LoRA, NF4Weight
 
 D, F, R_LORA = 40, 24, 3
@@ -182,7 +182,9 @@ def test_forward_producer_then_consumer_reproduces_compute_then_copy_bit_for_bit
     # Triton's interpreter a tile is a BLAS call, whose rounding may depend on how rows fall into
     # it on some CPUs: AMD EPYC's OpenBLAS), then the reference combine of the unpadded rows
     y_PD = torch.empty(plan.padded_rows, D)
-    launch_grouped_mm(MODE_PLAIN, plan.offsets_E1, y_PD, operand_args(plan.pad_rows(h_SF), wd, True, lora[2], None))
+    h_PF = plan.pad_rows(h_SF)
+    (z,) = low_rank(h_PF, plan.offsets_E1, [lora[2]], True)
+    launch_grouped_mm(MODE_PLAIN, plan.offsets_E1, y_PD, operand_args(h_PF, wd, True, lora[2], z))
     y_SD = y_PD[plan.pos_S]
     want = combine_reference(y_SD, plan.dest_S, plan.dest_row_S, _buffers(plan, D))
     got = _buffers(plan, D)
@@ -206,7 +208,9 @@ def test_forward_combine_matches_the_pure_pytorch_swiglu_reference(case):
     x_SD = torch.randn(expert_S.numel(), D, generator=gen)
     # gate/up on the padded rows, then the signaled down projection
     h_PF = torch.empty(plan.padded_rows, F)
-    launch_grouped_mm(MODE_SWIGLU, plan.offsets_E1, h_PF, operand_args(plan.pad_rows(x_SD), wg, True, lora[0], None), operand_args(plan.pad_rows(x_SD), wu, True, lora[1], None))
+    x_PD = plan.pad_rows(x_SD)
+    zg, zu = low_rank(x_PD, plan.offsets_E1, lora[:2], True)
+    launch_grouped_mm(MODE_SWIGLU, plan.offsets_E1, h_PF, operand_args(x_PD, wg, True, lora[0], zg), operand_args(x_PD, wu, True, lora[1], zu))
     got = _buffers(plan, D)
     signaled_down_projection(plan, h_PF, wd, lora[2], got, producer_programs=2, consumer_programs=3)
     y_ref = grouped_swiglu_lora_reference(x_SD, _offsets(expert_S, E), (wg, wu, wd), lora)
@@ -226,7 +230,9 @@ def test_backward_producer_then_consumer_returns_input_gradients_bit_for_bit(cas
     S = expert_S.numel()
     dg_SF, du_SF = torch.randn(S, F, generator=gen), torch.randn(S, F, generator=gen)
     dx_PD = torch.empty(plan.padded_rows, D)  # the producer's padded tiles (see the forward test)
-    launch_grouped_mm(MODE_PLAIN, plan.offsets_E1, dx_PD, operand_args(plan.pad_rows(dg_SF), wg, False, lora[0], None), operand_args(plan.pad_rows(du_SF), wu, False, lora[1], None))
+    dg_PF, du_PF = plan.pad_rows(dg_SF), plan.pad_rows(du_SF)
+    (zg,), (zu,) = low_rank(dg_PF, plan.offsets_E1, [lora[0]], False), low_rank(du_PF, plan.offsets_E1, [lora[1]], False)
+    launch_grouped_mm(MODE_PLAIN, plan.offsets_E1, dx_PD, operand_args(dg_PF, wg, False, lora[0], zg), operand_args(du_PF, wu, False, lora[1], zu))
     dx_SD = dx_PD[plan.pos_S]
     want = combine_reference(dx_SD, plan.dest_S, plan.dest_row_S, _buffers(plan, D))
     got = _buffers(plan, D)

@@ -59,9 +59,9 @@ def _randn(*shape, gen, scale=0.3, device="cpu", dtype=torch.float32, grad=True)
     return t.requires_grad_(grad)
 
 
-def _lora(E, d_out, d_in, gen, scale, device="cpu"):
+def _lora(E, d_out, d_in, gen, scale, device="cpu", rank=R):
     # B non-zero (a trained adapter), so every LoRA gradient path carries signal.
-    return LoRA(_randn(E, R, d_in, gen=gen, device=device), _randn(E, d_out, R, gen=gen, device=device), scale)
+    return LoRA(_randn(E, rank, d_in, gen=gen, device=device), _randn(E, d_out, rank, gen=gen, device=device), scale)
 
 
 def _grads(y, dy, tensors):
@@ -153,6 +153,71 @@ def test_nf4_fused_projection_equals_dense_kernel_on_dequantized_weights_bit_for
     assert_equal("NF4-fused vs dequantize-then-matmul", fused, dense)
 
 
+def test_nf4_decoded_in_the_kernel_or_dequantized_first_gives_the_same_bits_forward_and_backward():
+    # A GPU dequantizes first (resolve_nf4_decode); the interpreter decodes in the kernel. Both read
+    # the values nf4_values gives, so outputs and every gradient agree bit for bit.
+    from growtrain.kernels.grouped import resolve_nf4_decode
+
+    assert resolve_nf4_decode("auto", torch.device("cuda")) == "dequantize"
+    assert resolve_nf4_decode("auto", torch.device("cpu")) == "fused"
+    with pytest.raises(ValueError, match="fused, dequantize"):
+        resolve_nf4_decode("sometimes", torch.device("cpu"))
+    counts = _routing_case("top2")
+    E, N = len(counts), sum(counts)
+    results = []
+    for decode in ("fused", "dequantize"):
+        gen = torch.Generator().manual_seed(6)
+        weights = _nf4_experts(E, gen)
+        lora = (_lora(E, F, D, gen, 0.5), None, _lora(E, D, F, gen, 0.25))
+        x = _randn(N, D, gen=gen, scale=1.0)
+        dy = torch.randn(N, D, generator=gen)
+        leaves = [x] + [t for lo in lora if lo is not None for t in (lo.A_ERI, lo.B_EOR)]
+        y = grouped_swiglu(x, _offsets(counts), weights, lora, nf4_decode=decode)
+        results.append([y.detach()] + _grads(y, dy, leaves))
+    for name, a, b in zip(["y", "x", "gate A", "gate B", "down A", "down B"], *results):
+        assert_equal(f"{name}: fused vs dequantized first", a, b)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "nf4_lora"])
+def test_torch_grouped_mm_route_matches_the_reference_forward_and_backward(fmt):
+    # The route a Hopper GPU takes in bf16 (resolve_gemm), run here on the CPU in fp32, where
+    # torch._grouped_mm is a loop of matmuls: the same math, orientation and gradients. Widths are
+    # multiples of 16 bytes, as the op requires; expert 1 has no rows.
+    from growtrain.kernels.grouped import resolve_gemm
+
+    counts = [5, 0, 9, 3]
+    E, N, d, f, r = len(counts), sum(counts), 32, 16, 4
+    gen = torch.Generator().manual_seed(21)
+    if fmt == "dense":
+        w = [_randn(E, f, d, gen=gen), _randn(E, f, d, gen=gen), _randn(E, d, f, gen=gen)]
+        lora = (None, None, None)
+    else:
+        w = (
+            NF4Weight.quantize(torch.randn(E, f, d, generator=gen) * 0.3, compress_statistics=True),
+            NF4Weight.quantize(torch.randn(E, f, d, generator=gen) * 0.3),
+            NF4Weight.quantize(torch.randn(E, f, d, generator=gen) * 0.3, transposed=True),
+        )
+        lora = (_lora(E, f, d, gen, 0.5, rank=r), _lora(E, f, d, gen, 2.0, rank=r), _lora(E, d, f, gen, 0.25, rank=r))
+    x = _randn(N, d, gen=gen, scale=1.0)
+    dy = torch.randn(N, d, generator=gen)
+    off = _offsets(counts)
+    leaves = [x] + [t for t in w if isinstance(t, torch.Tensor)] + [t for lo in lora if lo is not None for t in (lo.A_ERI, lo.B_EOR)]
+    y = grouped_swiglu(x, off, w, lora, gemm="torch")
+    got = _grads(y, dy, leaves)
+    y_ref = grouped_swiglu_lora_reference(x, off, w, lora)
+    want = [g if g is not None else torch.zeros_like(t) for g, t in zip(_grads(y_ref, dy, leaves), leaves)]
+    _compare(y, y_ref, got, want, [f"leaf {i}" for i in range(len(leaves))], FP32)
+    assert resolve_gemm("auto", x, [d, f], [x]) == "triton"  # the CPU keeps the Triton kernels unless asked
+    assert resolve_gemm("torch", x, [d, f], [x]) == "torch"
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        resolve_gemm("torch", x, [d, 3], [x])
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        resolve_gemm("cutlass", x, [d, f], [x])
+    if fmt == "nf4_lora":
+        with pytest.raises(ValueError, match="needs gemm='triton'"):
+            grouped_swiglu(x, off, w, lora, gemm="torch", nf4_decode="fused")
+
+
 def test_shape_errors_name_every_problem():
     gen = torch.Generator().manual_seed(5)
     w = [torch.randn(3, F, D, generator=gen), torch.randn(3, F, D + 1, generator=gen), torch.randn(3, D, F, generator=gen)]
@@ -237,7 +302,8 @@ GPU_SHAPES = [(8, [300, 0, 1, 517, 64, 0, 129, 33], 256, 384), (4, [0, 1000, 0, 
 @needs_cuda
 @pytest.mark.parametrize("E,counts,d,f", GPU_SHAPES, ids=["mixed", "one_expert"])
 @pytest.mark.parametrize("fmt", ["dense", "nf4_lora"])
-def test_bf16_forward_and_backward_match_the_fp32_reference_on_gpu(E, counts, d, f, fmt):
+@pytest.mark.parametrize("gemm", ["triton", "auto"])  # auto: torch._grouped_mm on Hopper
+def test_bf16_forward_and_backward_match_the_fp32_reference_on_gpu(E, counts, d, f, fmt, gemm):
     gen = torch.Generator().manual_seed(10)
     dev = "cuda"
     N = sum(counts)
@@ -260,7 +326,7 @@ def test_bf16_forward_and_backward_match_the_fp32_reference_on_gpu(E, counts, d,
         lora16 = lora32
     x16 = x32.bfloat16().requires_grad_(True)
     x32.requires_grad_(True)
-    y16 = grouped_swiglu(x16, off, w16, lora16)
+    y16 = grouped_swiglu(x16, off, w16, lora16, gemm=gemm)
     y16.backward(dy32.bfloat16())
     y32 = grouped_swiglu_lora_reference(x32, off, w32, lora32)
     assert_close("y bf16", y16.float(), y32.detach(), **BF16)
@@ -279,7 +345,8 @@ def test_bf16_forward_and_backward_match_the_fp32_reference_on_gpu(E, counts, d,
 
 @pytest.mark.gpu
 @needs_cuda
-def test_nf4_lora_at_the_120b_recipes_shapes_matches_the_fp32_reference_in_bf16():
+@pytest.mark.parametrize("gemm", ["triton", "auto"])
+def test_nf4_lora_at_the_120b_recipes_shapes_matches_the_fp32_reference_in_bf16(gemm):
     """The last stage's per-GPU expert work of recipes/120b.yaml: 32 local experts of D 4096, F 1024,
     LoRA r 16, ~64k token-slots routed unevenly (one expert empty), forward and backward in bf16
     against the fp32 reference."""
@@ -303,7 +370,7 @@ def test_nf4_lora_at_the_120b_recipes_shapes_matches_the_fp32_reference_in_bf16(
               for o, i in ((f, d), (f, d), (d, f))]
     lora16 = [LoRA(lo.A_ERI.detach().bfloat16().requires_grad_(True), lo.B_EOR.detach().bfloat16().requires_grad_(True), lo.scale) for lo in lora32]
     x16 = x32.detach().bfloat16().requires_grad_(True)
-    y16 = grouped_swiglu(x16, off, w, lora16)
+    y16 = grouped_swiglu(x16, off, w, lora16, gemm=gemm)
     y16.backward(dy32.bfloat16())
     y32 = grouped_swiglu_lora_reference(x32, off, w, lora32)
     assert_close("y bf16", y16.float(), y32.detach(), **BF16)
@@ -341,11 +408,37 @@ def test_a_launch_out_of_shared_memory_retries_smaller_and_remembers_the_fit():
         grouped.launch_fitted("test_kernel", ("other",), grouped.TileConfig(16, 16, 16, 1, 1), never)
 
 
-def test_lora_launches_on_a_gpu_take_32_wide_reduction_tiles_in_2_stages():
-    from growtrain.kernels.grouped import tile_config
+def test_an_adapter_does_not_change_the_main_tiles_and_its_low_rank_product_is_given():
+    # The adapter's X @ L1 runs before the launch (low_rank), so the reduction loop holds one dot
+    # whatever the operand: with it inside the loop, 64-wide bf16 tiles read shared memory out of
+    # bounds on an H200 (compute-sanitizer, Triton 3.6), and 32 x 2 stages was the only fix found.
+    from growtrain.kernels.grouped import low_rank, tile_config
 
     cuda = torch.device("cuda")
-    plain, lora = tile_config("dual", 4096, 8, cuda), tile_config("dual", 4096, 8, cuda, lora=True)
-    assert (plain.block_k, plain.num_stages) == (64, 3) and (lora.block_k, lora.num_stages) == (32, 2)
-    assert (lora.block_m, lora.block_n) == (plain.block_m, plain.block_n)  # the combine's consumer relies on block_n
-    assert tile_config("dual", 4096, 8, torch.device("cpu"), lora=True) == tile_config("dual", 4096, 8, torch.device("cpu"))
+    assert "lora" not in tile_config.__code__.co_varnames
+    assert tile_config("low_rank", 4096, 8, cuda, n_out=32).block_n == 32
+    gen = torch.Generator().manual_seed(9)
+    E, N = 3, 10
+    lo = _lora(E, F, D, gen, 0.5)
+    w = _randn(E, F, D, gen=gen, grad=False)
+    x = torch.randn(N, D, generator=gen)
+    with pytest.raises(ValueError, match="low_rank"):
+        operand_args(x, w, True, lo, None)
+    (z,) = low_rank(x, _offsets([4, 0, 6]), [lo], True)
+    want = torch.cat([x[:4] @ lo.A_ERI[0].T, x[4:] @ lo.A_ERI[2].T])
+    assert_close("X @ A^T", z, want, atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu_elementwise_kernels_match_their_reference():
+    # The torch._grouped_mm route's SwiGLU steps (kernels/swiglu.py), one pass each on a GPU; run
+    # here through the interpreter on a length that is not a multiple of the block.
+    from growtrain.kernels._swiglu_triton import launch_backward, launch_forward
+    from growtrain.kernels.swiglu import swiglu_backward_reference, swiglu_forward_reference
+
+    gen = torch.Generator().manual_seed(31)
+    g, u, dh = (torch.randn(37, 29, generator=gen) * 3 for _ in range(3))
+    assert_close("h", launch_forward(g, u, 256), swiglu_forward_reference(g, u), **FP32)
+    got, want = launch_backward(dh, g, u, True, 256), swiglu_backward_reference(dh, g, u, True)
+    for name, a, b in zip(("dg", "du", "h"), got, want):
+        assert_close(name, a, b, **FP32)
+    assert launch_backward(dh, g, u, False, 256)[2] is None

@@ -13,8 +13,11 @@ contiguous ranges as under expert parallelism). One MoE layer call moves tokens 
    to f's experts (contiguous rows, the slots being sorted by expert); nothing else moves;
 3. compute: expert rank f runs each attention rank's chunk through its experts, one grouped call
    per source with that source's offsets;
-4. combine: one all_to_all_single back, each chunk to the attention rank it came from, which finds
-   its rows in the order it sent them.
+4. combine, each chunk back to the attention rank it came from, which finds its rows in the order
+   it sent them (`distributed.combine`, as under expert parallelism, the same bits either way):
+   "overlapped": expert rank f sends attention rank a's chunk (isend) as soon as it is computed,
+   while it computes the next; attention rank a posts its receives from every expert rank at once;
+   "serial": one all_to_all_single after all chunks. The backward of both is one reverse exchange.
 
 Autograd runs through both transfers (expert_parallel._AllToAll, whose backward is the reverse
 exchange): on an attention rank the combine's backward sends the outputs' gradients to the expert
@@ -69,7 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from growtrain.expert_shards import expert_range
-from growtrain.model.expert_parallel import all_to_all, chunk_dtype, cut_experts, exchange_counts
+from growtrain.model.expert_parallel import CombineMode, all_to_all, chunk_dtype, cut_experts, exchange_counts
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,11 @@ class AFGroup:
     size: int
     attention: int
     group: Any = field(default=None, compare=False)
+    combine: CombineMode = "overlapped"
 
     def __post_init__(self):
+        if self.combine not in ("overlapped", "serial"):
+            raise ValueError(f"combine must be overlapped or serial, got {self.combine!r}")
         if not 1 <= self.attention < self.size:
             raise ValueError(f"an AF layout of {self.size} ranks needs 1..{self.size - 1} attention ranks, got {self.attention}")
 
@@ -167,7 +173,17 @@ class _AttentionSide(torch.autograd.Function):
         sent_0D = x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]))
         dist.all_to_all_single(sent_0D, x_sorted_SD.contiguous(), nothing, send, group=af.group)  # dispatch
         y_SD = x_sorted_SD.new_empty((sum(send), x_sorted_SD.shape[1]), dtype=out_dtype)
-        dist.all_to_all_single(y_SD, x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]), dtype=out_dtype), send, nothing, group=af.group)
+        if af.combine == "overlapped":
+            # Every expert rank's rows, received as each is sent: its chunk of this rank's slots
+            # lies contiguously in y_SD, in expert-rank order (the slots are sorted by expert).
+            ops = [
+                dist.P2POp(dist.irecv, part, group=af.group, group_peer=src)
+                for src, part in enumerate(y_SD.split(send)) if part.shape[0]
+            ]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+        else:
+            dist.all_to_all_single(y_SD, x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]), dtype=out_dtype), send, nothing, group=af.group)
         return y_SD
 
     @staticmethod
@@ -238,13 +254,40 @@ def serve(experts: nn.Module, backend: str, num_experts: int, d_model: int, af: 
     empty_0D = torch.empty((0, d_model), dtype=dtype, device=device, requires_grad=torch.is_grad_enabled())
     x_recv_RD = all_to_all(empty_0D, recv, nothing, af.group)
     out_dtype = chunk_dtype(x_recv_RD)
-    ys = []
+    overlapped = af.combine == "overlapped"
+    ys, works, sent = [], [], []  # an in-flight isend's buffer must outlive it: `sent`
     for a, chunk in enumerate(x_recv_RD.split(recv[:A])):
         offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=device)
         offsets_L1[1:] = torch.cumsum(counts_WE[a, lo:hi].to(device), 0)
         ys.append(experts(chunk, offsets_L1, backend).to(out_dtype))
-    out_0D = all_to_all(torch.cat(ys), nothing, recv, af.group)
+        if overlapped and ys[-1].shape[0]:  # on its way while the next chunk computes
+            sent.append(ys[-1].detach().contiguous())
+            works.append(dist.isend(sent[-1], group=af.group, group_dst=a))
+    if overlapped:
+        out_0D = _SentBack.apply({"works": works, "recv": recv, "group": af.group, "size": W}, *ys)
+    else:
+        out_0D = all_to_all(torch.cat(ys), nothing, recv, af.group)
     return ExpertCall(out_0D, counts_WE.sum(0))
+
+
+class _SentBack(torch.autograd.Function):
+    """An expert rank's overlapped combine: waits for the chunks' sends (started as each chunk was
+    computed) and stands for them in the graph, so that the backward's reverse exchange (the
+    serial combine's) brings each chunk's gradient to it. Returns the combine's empty output."""
+
+    @staticmethod
+    def forward(ctx, pending: dict, *ys):
+        for work in pending["works"]:
+            work.wait()
+        ctx.recv, ctx.group, ctx.size = pending["recv"], pending["group"], pending["size"]
+        ctx.splits = [y.shape[0] for y in ys]
+        return ys[0].new_empty((0, ys[0].shape[1]))  # ys: one chunk per attention rank, at least one
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = grad_out.new_empty((sum(ctx.recv), grad_out.shape[1]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.recv, [0] * ctx.size, group=ctx.group)
+        return (None, *grad_in.split(ctx.splits))
 
 
 def serve_calls(moe_layers: list[nn.Module], lanes: AFGroup | list[AFGroup], device: torch.device) -> int:

@@ -27,9 +27,16 @@ class ScheduleTimes:
     step_s: float
     attention_wait_fraction: float
     expert_idle_fraction: float
+    # each side's compute per step (predicted: the split's ta and te; measured: the run's per
+    # micro-batch figures times its micro-batches; None for a run logged before they were)
+    attention_s: float | None = None
+    expert_s: float | None = None
 
     def to_dict(self) -> dict:
-        return {"step_s": self.step_s, "attention_wait_fraction": self.attention_wait_fraction, "expert_idle_fraction": self.expert_idle_fraction}
+        return {
+            "step_s": self.step_s, "attention_wait_fraction": self.attention_wait_fraction, "expert_idle_fraction": self.expert_idle_fraction,
+            "attention_s": self.attention_s, "expert_s": self.expert_s,
+        }
 
 
 def predict(split: AfSplit, schedule: str) -> ScheduleTimes:
@@ -43,7 +50,7 @@ def predict(split: AfSplit, schedule: str) -> ScheduleTimes:
         step = split.step_time_s
     else:
         raise ValueError(f"unknown AF schedule {schedule!r}")
-    return ScheduleTimes(step, max(0.0, 1 - ta / step), max(0.0, 1 - te / step))
+    return ScheduleTimes(step, max(0.0, 1 - ta / step), max(0.0, 1 - te / step), ta, te)
 
 
 def measured(rows: list[dict], stage: str, skip: int = 1) -> ScheduleTimes:
@@ -53,7 +60,10 @@ def measured(rows: list[dict], stage: str, skip: int = 1) -> ScheduleTimes:
     if not mine:
         raise PlanError(f"the run's metrics.jsonl has no AF steps of stage '{stage}' (beyond its first {skip}): was it trained with distributed.layout: af?")
     med = lambda key: statistics.median(r[key] for r in mine)  # noqa: E731
-    return ScheduleTimes(med("af/passes_s"), med("af/attention_wait_fraction"), med("af/expert_idle_fraction"))
+    sides = [None, None]
+    if all("af/attention_s_per_microbatch" in r for r in mine):
+        sides = [statistics.median(r[f"af/{side}_s_per_microbatch"] * r["af/microbatches"] for r in mine) for side in ("attention", "expert")]
+    return ScheduleTimes(med("af/passes_s"), med("af/attention_wait_fraction"), med("af/expert_idle_fraction"), *sides)
 
 
 def compare(split: AfSplit, schedule: str, rows: list[dict], stage: str) -> dict:
@@ -77,11 +87,15 @@ def format_comparison(c: dict) -> str:
         f"  {'step (passes)':<24}{_s(p['step_s']):>12}{_s(m['step_s']):>12}{_s(best['step_s']):>24}",
         f"  {'attention ranks waiting':<24}{p['attention_wait_fraction']:>12.0%}{m['attention_wait_fraction']:>12.0%}{best['attention_wait_fraction']:>24.0%}",
         f"  {'expert ranks idle':<24}{p['expert_idle_fraction']:>12.0%}{m['expert_idle_fraction']:>12.0%}{best['expert_idle_fraction']:>24.0%}",
+        f"  {'attention compute':<24}{_s(p['attention_s']):>12}{_s(m['attention_s']):>12}{_s(best['attention_s']):>24}",
+        f"  {'expert compute':<24}{_s(p['expert_s']):>12}{_s(m['expert_s']):>12}{_s(best['expert_s']):>24}",
         "  predicted: the roofline's whole step on the plan's hardware; measured: the run's forward and backward passes "
         "(median over the stage's steps; host clocks)",
     ]
     return "\n".join(lines)
 
 
-def _s(t: float) -> str:
+def _s(t: float | None) -> str:
+    if t is None:
+        return "-"
     return f"{t * 1e6:.0f} us" if t < 1e-3 else f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
