@@ -1,7 +1,7 @@
 """The trainer in an attention/expert layout (distributed.layout: af, issue 18) on CPU processes
 (gloo, torchrun), NCCL's rules checked: the EP tests' recipe (dense → upcycle → split + clone,
 20 steps) at 2 + 2 and 1 + 2 ranks against one process, growth reports alike, checkpoints that
-load in the other layout and at other sizes, a killed expert rank, an expert rank's error, the
+load in the other layout and at other sizes, a killed expert or attention rank, an expert rank's error, the
 ping-pong schedule."""
 
 from __future__ import annotations
@@ -112,19 +112,23 @@ def test_an_af_checkpoint_resumes_co_located_in_one_process_and_back_at_another_
 
 
 @pytest.mark.slow
-def test_a_killed_expert_rank_stops_every_rank_with_the_message_and_the_resume_repeats_the_losses(af_runs, tmp_path):
+@pytest.mark.parametrize("world,attention,killed", [(4, 2, 3), (3, 1, 0)], ids=["an_expert_rank_of_2_plus_2", "the_attention_rank_of_1_plus_2"])
+def test_a_killed_rank_stops_every_rank_with_the_message_and_the_resume_repeats_the_losses(af_runs, tmp_path, world, attention, killed):
     run = tmp_path / "killed"
-    env = cli_env(GROWTRAIN_FAULT="step_mid:8", GROWTRAIN_FAULT_RANK="3")  # an expert rank, in the 'moe' stage
-    r = af_run(4, 2, af_runs["recipe"], run, env=env, timeout=120)
+    env = cli_env(GROWTRAIN_FAULT="step_mid:8", GROWTRAIN_FAULT_RANK=str(killed))  # in the 'moe' stage
+    r = af_run(world, attention, af_runs["recipe"], run, env=env, timeout=120)
     assert r.returncode != 0
-    for survivor in (0, 1, 2):
+    for survivor in (rank for rank in range(world) if rank != killed):
         assert f"[rank {survivor}] error: rank {survivor} stopped: another rank died or stopped responding" in r.stderr
     assert "run the same command to resume" in r.stderr and "]: Traceback" not in r.stderr
-    r = af_run(4, 2, af_runs["recipe"], run, "--set", "distributed.attention_ranks=auto")  # the planner's split: 2 + 2 here
+    if attention == 2:
+        r = af_run(world, attention, af_runs["recipe"], run, "--set", "distributed.attention_ranks=auto")  # the planner's split: 2 + 2 here
+        assert "distributed.attention_ranks: auto -> 2 (the planner's fastest split on 4 x h100-80gb, stage 'split'" in r.stdout
+    else:
+        r = af_run(world, attention, af_runs["recipe"], run)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "distributed.attention_ranks: auto -> 2 (the planner's fastest split on 4 x h100-80gb, stage 'split'" in r.stdout
     assert "resumed from step-00000006-grown" in r.stdout
-    assert losses(run) == losses(af_runs[(2, 2)]), "a resumed AF run repeats the uninterrupted AF run's losses"
+    assert losses(run) == losses(af_runs[(attention, world - attention)]), "a resumed AF run repeats the uninterrupted AF run's losses"
 
 
 def test_an_error_on_an_expert_rank_is_reported_by_the_attention_ranks(af_runs, tmp_path):
