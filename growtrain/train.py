@@ -35,6 +35,7 @@ from growtrain.expert_shards import is_expert_tensor
 from growtrain import collective_guard, memtrace
 from growtrain.memory import host_available_bytes
 from growtrain.faults import maybe_fault
+from growtrain.kernels.backend import triton_route
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.model.af import clock as af_clock, end_calls, serve_calls
@@ -568,8 +569,6 @@ class Run:
         backend = self.model.set_expert_backend(recipe.train.expert_backend)
         self.log(f"expert backend: {backend} (train.expert_backend: {recipe.train.expert_backend})")
         if backend == "triton":
-            from growtrain.kernels.backend import triton_route
-
             self.log(f"  {triton_route(self.device, torch.bfloat16 if recipe.train.precision == 'bf16' else torch.float32)}")
         if self.dist.is_main:
             (self.run_dir / "recipe.yaml").write_text(dump_yaml(recipe))

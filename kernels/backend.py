@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from . import grouped_torch
 from .reference import grouped_swiglu_lora_reference
 from .weights import LoRA, NF4Weight
 
@@ -51,8 +52,6 @@ def triton_route(device: torch.device | str, dtype: torch.dtype) -> str:
     """What the `triton` backend's expert products run on for this device and compute dtype (logged
     at start): torch._grouped_mm where it runs (grouped_torch.gemm_unavailable_reason), NF4 bases
     dequantized first on a GPU (grouped.resolve_nf4_decode); the Triton kernels otherwise."""
-    from . import grouped_torch
-
     device = torch.device(device)
     if triton_unavailable_reason(device) is not None:
         return "products by the PyTorch reference (Triton cannot run here)"

@@ -75,3 +75,18 @@ def test_a_run_on_the_triton_backend_where_triton_cannot_run_says_it_uses_the_re
     done = run_cli("run", recipe, "--out", tmp_path / "run", env=env)
     assert done.returncode == 0, done.stderr
     assert "expert backend 'triton'" in done.stderr and "running the PyTorch reference instead" in done.stderr
+    assert "products by the PyTorch reference (Triton cannot run here)" in done.stdout  # the start-up line says so too
+
+
+def test_the_start_up_line_names_what_runs_the_expert_products(monkeypatch):
+    from growtrain.kernels import backend, grouped_torch
+
+    assert backend.triton_route("cpu", torch.float32) == "products by triton kernels (not a GPU), NF4 decoded inside the kernel"
+    # a GPU as torch._grouped_mm sees it: Hopper in bf16 takes the library, anything it refuses the kernels
+    monkeypatch.setattr(backend, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(grouped_torch, "gemm_unavailable_reason", lambda x, widths, tensors: None)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(0, dtype=k.get("dtype")))
+    assert backend.triton_route("cuda", torch.bfloat16).startswith("products by torch._grouped_mm (bfloat16;")
+    monkeypatch.setattr(grouped_torch, "gemm_unavailable_reason", lambda x, widths, tensors: "torch._grouped_mm runs bf16 on a GPU")
+    assert backend.triton_route("cuda", torch.float32) == (
+        "products by triton kernels (torch._grouped_mm runs bf16 on a GPU), NF4 bases dequantized first")
