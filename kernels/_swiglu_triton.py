@@ -1,4 +1,5 @@
-"""The Triton kernels of kernels/swiglu.py (imported only where Triton runs)."""
+"""The Triton kernels of kernels/swiglu.py (imported only where Triton runs), and the SwiGLU math
+they share with the grouped GEMM's epilogues (kernels/grouped.py): fp32 in, fp32 out."""
 
 from __future__ import annotations
 
@@ -8,12 +9,26 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_mul(g, u):
+    """h = silu(g) u."""
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def silu_mul_backward(dh, g, u):
+    """(dg, du, h): dg = dh u silu'(g), du = dh silu(g), and h = silu(g) u again."""
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    return dh * u * (sig * (1.0 + g * (1.0 - sig))), dh * silu, silu * u
+
+
+@triton.jit
 def _forward_kernel(g_ptr, u_ptr, h_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(h_ptr + offs, (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_ptr + offs, silu_mul(g, u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -23,13 +38,12 @@ def _backward_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, n, NEED_H: tl.
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
+    dg, du, h = silu_mul_backward(dh, g, u)
     dt = dg_ptr.dtype.element_ty
-    tl.store(dg_ptr + offs, (dh * u * (sig * (1.0 + g * (1.0 - sig)))).to(dt), mask=mask)
-    tl.store(du_ptr + offs, (dh * silu).to(dt), mask=mask)
+    tl.store(dg_ptr + offs, dg.to(dt), mask=mask)
+    tl.store(du_ptr + offs, du.to(dt), mask=mask)
     if NEED_H:
-        tl.store(h_ptr + offs, (silu * u).to(dt), mask=mask)
+        tl.store(h_ptr + offs, h.to(dt), mask=mask)
 
 
 def launch_forward(g: torch.Tensor, u: torch.Tensor, block: int) -> torch.Tensor:

@@ -253,7 +253,8 @@ def signaled_down_projection(
     D = weight_shape(w_down)[1]
     y_PD = h_PF.new_empty((plan.padded_rows, D))
     h_PF = h_PF.contiguous()
-    (z,) = low_rank(h_PF, _plan_on(plan, h_PF.device).offsets_E1, [lora_down], True)
+    plan = _plan_on(plan, h_PF.device)  # once: the launches below find it there
+    (z,) = low_rank(h_PF, plan.offsets_E1, [lora_down], True)
     if z is not None and z_PR is not None:
         z_PR.copy_(z)
         z = z_PR
@@ -282,8 +283,8 @@ def signaled_input_grad(
     D = weight_shape(w_gate)[2]
     dx_PD = dg_PF.new_empty((plan.padded_rows, D))
     dg_PF, du_PF = dg_PF.contiguous(), du_PF.contiguous()
-    offsets_E1 = _plan_on(plan, dg_PF.device).offsets_E1
-    (zg,), (zu,) = low_rank(dg_PF, offsets_E1, [lora_gate], False), low_rank(du_PF, offsets_E1, [lora_up], False)
+    plan = _plan_on(plan, dg_PF.device)  # once: the launches below find it there
+    (zg,), (zu,) = low_rank(dg_PF, plan.offsets_E1, [lora_gate], False), low_rank(du_PF, plan.offsets_E1, [lora_up], False)
     op1 = operand_args(dg_PF, w_gate, False, lora_gate, zg)
     op2 = operand_args(du_PF, w_up, False, lora_up, zu)
     return dx_PD, _run(plan, dx_PD, op1, op2, dest_buffers, producer_programs, consumer_programs, overlap, flags, epoch)

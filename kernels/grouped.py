@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import grouped_torch
+from ._swiglu_triton import silu_mul, silu_mul_backward
 from .nf4 import dequantize_nf4_experts, nf4_kernel_args, nf4_values
 from .weights import ExpertLoRA, ExpertWeights, LoRA, NF4Weight, weight_shape
 
@@ -145,7 +146,7 @@ def _grouped_mm_kernel(
             tl.store(out_ptr + offs, acc.to(dt), mask=mask)
         elif MODE == 1:
             # acc = gate pre-activation, acc2 = up; h = silu(g) * u
-            h = acc * tl.sigmoid(acc) * acc2
+            h = silu_mul(acc, acc2)
             tl.store(out_ptr + offs, h.to(dt), mask=mask)
             if SAVE_AUX:
                 tl.store(g_ptr + offs, acc.to(dt), mask=mask)
@@ -154,12 +155,11 @@ def _grouped_mm_kernel(
             # acc = dh; g and u come from the forward pass
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(g)
-            silu = g * sig
-            tl.store(out_ptr + offs, (acc * u * (sig * (1.0 + g * (1.0 - sig)))).to(dt), mask=mask)
-            tl.store(du_ptr + offs, (acc * silu).to(dt), mask=mask)
+            dg, du, h = silu_mul_backward(acc, g, u)
+            tl.store(out_ptr + offs, dg.to(dt), mask=mask)
+            tl.store(du_ptr + offs, du.to(dt), mask=mask)
             if SAVE_AUX:
-                tl.store(h_ptr + offs, (silu * u).to(dt), mask=mask)
+                tl.store(h_ptr + offs, h.to(dt), mask=mask)
 
 
 @triton.jit
