@@ -11,6 +11,12 @@ the ranks of both peaks, their ratio, and what `growtrain plan` predicts per ran
     python benchmarks/growth_memory.py                  # the rehearsal over 8 processes, a table
     python benchmarks/growth_memory.py --json           # {"transitions": [{"stage", "rank_peak_growth_bytes", ...}]}
     python benchmarks/growth_memory.py --nproc 2 --recipe RECIPE --keep DIR   # keep the run and traces
+    python benchmarks/growth_memory.py --set distributed.layout=af --set distributed.attention_ranks=4
+                                                        # an AF layout (4 + 4): growth on its shards
+
+In an AF layout the expert ranks hold the experts (E / F each, F expert ranks) and, while growth
+runs, the dense part: the plan's figure is then the per-rank peak over F ranks (as the trainer's
+train.grow_on: auto reckons it), which over-counts only their share of the dense optimizer state.
 
 Targets (issue 14): growth peak <= 1.5 x the training peak at every transition, and within
 +-25% of the plan's per-rank figure. The trace makes every op go through Python: the rehearsal
@@ -39,11 +45,12 @@ GROWTH_TO_TRAIN_TARGET = 1.5
 PLAN_TOLERANCE = 0.25
 
 
-def run(recipe: Path, nproc: int, out: Path) -> tuple[list[dict], float]:
+def run(recipe: Path, nproc: int, out: Path, overrides: list[str]) -> tuple[list[dict], float]:
     trace = out / "trace"
     env = {**os.environ, "GROWTRAIN_MEMORY_TRACE": str(trace), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "growtrain", "run", str(recipe), "--out", str(out / "run")]
+    cmd += [a for o in overrides for a in ("--set", o)]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"the traced run failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -80,24 +87,32 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=8, help="processes (expert-parallel ranks), default 8")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--keep", type=Path, help="keep the run and its traces in this folder (default: a temporary one, removed)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="recipe override passed to growtrain run (repeatable)")
     args = ap.parse_args()
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, args.overrides)
+    layout = recipe.distributed.layout
+    holders = args.nproc
+    if layout == "af":
+        if not isinstance(recipe.distributed.attention_ranks, int):
+            sys.exit("--set distributed.attention_ranks=A: give the split (auto is not resolved here)")
+        holders = args.nproc - recipe.distributed.attention_ranks
     # The plan's per-rank figure depends on the rank count only (growth memory is host memory).
-    hw = next((h for h in PRESETS.values() if h.gpus == args.nproc), None) or dataclasses.replace(PRESETS["h100-80gb"], gpus_per_node=args.nproc, nodes=1)
+    hw = next((h for h in PRESETS.values() if h.gpus == holders), None) or dataclasses.replace(PRESETS["h100-80gb"], gpus_per_node=holders, nodes=1)
     planned = {s.name: s.growth_peak_bytes_per_rank for s in plan_recipe(recipe, hw).stages}
     if args.keep is not None:
         if args.keep.exists() and any(args.keep.iterdir()):
             sys.exit(f"--keep {args.keep}: the folder is not empty")
-        records, seconds = run(args.recipe, args.nproc, args.keep)
+        records, seconds = run(args.recipe, args.nproc, args.keep, args.overrides)
     else:
         with tempfile.TemporaryDirectory(prefix="growth-memory-") as tmp:
-            records, seconds = run(args.recipe, args.nproc, Path(tmp))
+            records, seconds = run(args.recipe, args.nproc, Path(tmp), args.overrides)
     rows = summarize(records, planned)
     if args.json:
-        print(json.dumps({"recipe": recipe.name, "nproc": args.nproc, "seconds": round(seconds, 1), "transitions": rows}))
+        print(json.dumps({"recipe": recipe.name, "nproc": args.nproc, "layout": layout, "expert_ranks": holders, "seconds": round(seconds, 1), "transitions": rows}))
         return 0
     mb = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
-    print(f"{recipe.name} over {args.nproc} processes ({seconds:.0f} s); peaks per rank (the largest over ranks), MiB of live tensors (RSS beside)")
+    where = f", AF layout: {args.nproc - holders} + {holders}, plan over {holders} ranks" if layout == "af" else ""
+    print(f"{recipe.name} over {args.nproc} processes{where} ({seconds:.0f} s); peaks per rank (the largest over ranks), MiB of live tensors (RSS beside)")
     print(f"{'stage':<10}{'growth':>10}{'train':>10}{'grow/train':>12}{'plan':>10}{'grow/plan':>11}{'growth RSS':>12}{'train RSS':>11}")
     for r in rows:
         ratio = f"{r['growth_to_train']:.2f}" if r["growth_to_train"] else "-"

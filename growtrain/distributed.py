@@ -28,7 +28,9 @@ dense gradients and own their ZeRO-1 state among themselves (a group of their ow
 A..W-1 hold E / F of every MoE layer's experts (F = W - A) and nothing else (their dense tensors
 are on the meta device: any use of one fails), read no data, and serve the attention ranks' MoE
 calls. An expert's gradient sums every attention rank's tokens and is divided by A; the clip norm
-sums every rank's owned share as above. Growth gathers the whole model on every rank. Under
+sums every rank's owned share as above. Growth runs on the layout's shards (growth_ep: every rank,
+the attention ranks holding no expert; the expert ranks hold a copy of the dense part meanwhile)
+where every operator of the transition can, else it gathers the whole model. Under
 `af_schedule: pingpong` the attention ranks form two lanes (even, odd ranks), each with a group of
 its own holding every expert rank; an expert rank serves the lanes in turn (model/af.py).
 
@@ -37,6 +39,7 @@ Legend: W ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import signal
@@ -143,6 +146,8 @@ class Dist:
         self.pingpong = bool(lanes)
         self.ep = EPGroup(rank, size, combine) if size > 1 and self.af is None else None
         self._host_ep: EPGroup | None = None  # growth on the host's group, made at its first use
+        # AF: growth on shards runs in every rank's group, the experts where the layout keeps them.
+        self._growth_ep = EPGroup(rank, size, combine, attention=attention) if self.af is not None else None
         self.timeout: datetime.timedelta | None = None  # distributed.timeout_s, for groups made later
         self.error_dir: Path | None = None
         self.owner_table: dict[str, int] = {}  # of the current model, set by owned()
@@ -288,14 +293,18 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def growth_ep(self) -> EPGroup | None:
+        """The group growth on shards runs in (stages/sharding.py): the expert-parallel group, or in
+        an AF layout every rank, the first A holding no routed expert (EPGroup.attention)."""
+        return self._growth_ep if self.af is not None else self.ep
+
     def host_ep(self) -> EPGroup:
-        """The expert-parallel group of growth on the host: the same ranks in a gloo group, whose
-        collectives take CPU tensors (NCCL's take CUDA tensors only). Made at its first use, by
-        every rank (a collective)."""
+        """growth_ep's ranks in a gloo group, for growth on the host, whose collectives take CPU
+        tensors (NCCL's take CUDA tensors only). Made at its first use, by every rank (a collective)."""
         if self._host_ep is None:
             group = dist.new_group(backend="gloo", timeout=self.timeout)
             collective_guard.register_group(group, "cpu")
-            self._host_ep = EPGroup(self.rank, self.size, self.ep.combine, group=group)
+            self._host_ep = dataclasses.replace(self.growth_ep(), group=group)
         return self._host_ep
 
     def barrier(self) -> None:
@@ -365,6 +374,58 @@ class Dist:
             for p in params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+
+    # -- growth on an AF layout's shards ---------------------------------------------------------
+
+    @torch.no_grad()
+    def af_to_growth(self, model: nn.Module) -> nn.Module:
+        """An AF model made ready to grow on its shards in growth_ep, in place, by collectives of
+        the default group: an expert rank's dense tensors (on meta) filled from attention rank 0,
+        one tensor in flight at a time (the dense part is what a co-located rank holds all along);
+        every MoE layer exchanging through growth_ep instead of calling the expert ranks."""
+        ep = self.growth_ep()
+        where = next((p.device for p in model.parameters() if not p.is_meta), self.device)  # the model's device
+        for prefix, module in model.named_modules():
+            for table in (module._parameters, module._buffers):
+                for key, t in list(table.items()):
+                    name = f"{prefix}.{key}" if prefix else key
+                    if t is None or on_expert_side(name):
+                        continue
+                    buf = broadcast_field(t if self.rank == 0 else None, _TensorLayout(tuple(t.shape), t.dtype), 0, self.device)
+                    if self.is_expert_side:  # the attention ranks hold these bits already
+                        value = buf.to(where)
+                        table[key] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+        for moe in model.moe_layers:
+            moe.af, moe.ep = None, ep
+        return model
+
+    def af_growth_state(self, state: dict, device: torch.device) -> dict:
+        """This rank's optimizer state (name-keyed ParamState) for growth on the AF layout's
+        shards: on an attention rank, with empty slices (on `device`) of the expert entries, as
+        every rank holds them on expert shards, their shared step counts and multipliers from the
+        first expert rank (a collective). The same dict, added to."""
+        first = self.af.attention  # the first expert rank, global rank A
+        layouts = [{n: {k: _layout(getattr(s, k)) for k in _STATE_FIELDS} for n, s in state.items() if is_expert_tensor(n)} if self.rank == first else None]
+        dist.broadcast_object_list(layouts, src=first)  # names, shapes and numbers: no tensor
+        for name, fields in sorted(layouts[0].items()):
+            entry = {}
+            for k, lay in fields.items():
+                if not isinstance(lay, _TensorLayout):
+                    entry[k] = lay
+                elif lay.shape:  # per expert: no row here
+                    entry[k] = torch.empty((0, *lay.shape[1:]), dtype=lay.dtype, device=device)
+                else:  # a 0-d field shared by the expert slices
+                    entry[k] = broadcast_field(getattr(state[name], k) if self.rank == first else None, lay, first, self.device).to(device)
+            if self.af.is_attention:
+                state[name] = ParamState(**entry)
+        return state
+
+    def af_from_growth(self, model: nn.Module) -> nn.Module:
+        """A model grown on the AF layout's shards back in the layout, in place: an expert rank's
+        dense tensors to meta again, every MoE layer calling the expert ranks (of its lane)."""
+        if self.is_expert_side:
+            to_meta_except_experts(model)
+        return shard_af_model(model, self.af_lanes[0], cut=False)
 
     # -- growth: gather, grow, re-shard ----------------------------------------------------------
 

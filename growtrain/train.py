@@ -619,8 +619,11 @@ class Run:
         if setting == "device" or (setting == "auto" and budget is None):
             return False
         invariance = self.recipe.invariance
+        # An AF layout's expert ranks hold its experts (E / F each) and, while growth runs, the dense
+        # part: the planner's peak for F ranks over-counts only their share of the dense state.
+        ranks = self.dist.af.expert_ranks if self.dist.af is not None else self.dist.size
         peak = growth_peak_bytes_per_rank(
-            before, stage.grow, self.recipe.optimizer, self.plan_counts, self.dist.size,
+            before, stage.grow, self.recipe.optimizer, self.plan_counts, ranks,
             (invariance.probe_batch_size, invariance.probe_seq_len), invariance.stream,
         )
         if setting == "auto":
@@ -653,10 +656,18 @@ class Run:
         # Under expert parallelism: on the expert shards where every operator of the transition can
         # (stages/sharding.py; the optimizer state stays this rank's share: its experts and the
         # dense entries it owns), else on the gathered model, grown identically on every rank and
-        # re-sharded.
-        on_shards = self.dist.active and self.dist.af is None and all(get_operator(s.op).runs_sharded(s.args) for s in stage.grow)
+        # re-sharded. An AF layout grows on its shards as an expert-parallel group whose attention
+        # ranks hold no expert (Dist.growth_ep); its expert ranks hold a copy of the dense part meanwhile.
+        on_shards = self.dist.active and all(get_operator(s.op).runs_sharded(s.args) for s in stage.grow)
+        af_shards = on_shards and self.dist.af is not None
+        if af_shards:
+            self.console.write(
+                f"growth [{stage.name}]: on the AF layout's shards (the experts on the {self.dist.af.expert_ranks} expert ranks, "
+                "the dense parameters copied to them while it runs)"
+            )
+            self.dist.af_to_growth(self.model)
         on_host = self._grows_on_host(stage, before, on_shards or not self.dist.active)
-        ep = self.dist.ep
+        ep = self.dist.growth_ep()
         if on_host:
             # The model and its state move to host memory, the growth's collectives to a gloo
             # group (NCCL's take CUDA tensors only); all of it comes back before the first step.
@@ -672,10 +683,10 @@ class Run:
                 torch.cuda.empty_cache()
         if on_shards:
             model, state = self.model, self.optimizer.state
+            if af_shards:  # an attention rank holds empty slices of the expert entries meanwhile
+                state = self.dist.af_growth_state(dict(state), torch.device("cpu") if on_host else self.device)
         else:
-            if self.dist.af is not None:
-                self.console.write(f"growth [{stage.name}]: gathering the whole model on every rank (the AF layout does not grow on its shards yet)")
-            elif self.dist.active:
+            if self.dist.active:
                 unsharded = [s.op for s in stage.grow if not get_operator(s.op).runs_sharded(s.args)]
                 self.console.write(f"growth [{stage.name}]: gathering the whole model on every rank ({', '.join(unsharded)} cannot grow expert shards yet)")
             model, state = self.dist.gather_full(self.model, self.optimizer.state)
@@ -705,8 +716,10 @@ class Run:
         self.model = outcome.model if on_shards else self.dist.shard(outcome.model)
         if on_host:
             self.model.to(self.device)
-            if ep is not None:
-                use_group(self.model, self.dist.ep)
+        if af_shards:
+            self.dist.af_from_growth(self.model)
+        elif on_host and ep is not None:
+            use_group(self.model, self.dist.ep)
         named = dict(self.model.named_parameters())
         self.optimizer.rebind(self.dist.owned(named), self.dist.shard_state(outcome.optimizer_state, named, experts_sharded=on_shards))
         if on_host:

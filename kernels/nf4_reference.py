@@ -182,6 +182,8 @@ def dequantize_experts_bitsandbytes(stack: NF4Stack, experts_K: list[int]) -> to
     expert). One call instead of K matters: each bitsandbytes call costs tens of microseconds, and
     far more when its OpenMP threads compete for busy cores."""
     n = stack.rows * stack.cols
+    if not len(experts_K):
+        return torch.empty((0, stack.rows, stack.cols), dtype=torch.float32, device=stack.codes_EP.device)
     if n % stack.blocksize or n % 2:
         return torch.stack([dequantize_nf4_bitsandbytes(stack, e) for e in experts_K])
     bnbf = bitsandbytes_functional()

@@ -88,6 +88,9 @@ def _fresh_experts(module, key: int) -> dict[str, torch.Tensor]:
     one = cut_experts(copy.deepcopy(module), 0, 1).to_empty(device="cpu")
     rows: dict[str, list[torch.Tensor]] = {}
     shared: dict[str, torch.Tensor] = {}
+    if lo == hi:  # no expert here (an AF layout's attention rank): empty rows, the shared tables
+        values = _reset_seeded(one, sharding.sub_key(key, "none")).state_dict()
+        return {k: v[:0].clone() if is_expert_tensor(f"experts.{k}") else v.detach().clone() for k, v in values.items()}
     for e in range(lo, hi):
         for k, v in _reset_seeded(one, sharding.sub_key(key, e)).state_dict().items():
             if is_expert_tensor(f"experts.{k}"):

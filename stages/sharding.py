@@ -22,14 +22,20 @@ the full replicated rest, and the operator asks this module where it is:
   checks' optimizer steps step it there and broadcast the result (`broadcast_`).
 Outside `sharded(...)` every helper is the single-process identity.
 
-Legend: E experts of a layer before growth, L = E / W local experts, m children per parent,
-W ranks, r this rank.
+An AF layout grows on its shards in a group whose first A ranks (its attention ranks) hold no
+routed expert (EPGroup.attention, Dist.growth_ep): they hold the dense parameters and their
+optimizer state, and take part in every collective with empty expert slices; the expert ranks
+hold E / F experts each and, while growth runs, a copy of the dense parameters.
+
+Legend: E experts of a layer before growth, F ranks that hold experts (W, or W - A), L = E / F
+local experts, m children per parent, W ranks, r this rank.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
+import math
 from contextlib import contextmanager
 
 import torch
@@ -79,23 +85,27 @@ def children_to_owners(t: torch.Tensor, m: int, num_experts: int) -> torch.Tenso
     ep = current()
     if ep is None or ep.size == 1:
         return t
-    W, r, E = ep.size, ep.rank, num_experts
-    L = E // W
-    n = m * L  # rows per rank, before and after
-    if t.shape[0] != n:
-        raise ValueError(f"children_to_owners: {t.shape[0]} rows, expected {m} children of {L} local experts")
-    j = torch.arange(m).repeat_interleave(L)
-    child = j * E + r * L + torch.arange(L).repeat(m)  # global index of each local row
-    dest = child // n
+    W, E, A = ep.size, num_experts, ep.attention  # the first A ranks hold no expert (an AF layout)
+    h = ep.holder()  # this rank's index among the F = W - A ranks that hold experts
+    L = E // ep.expert_ranks
+    n = m * L  # rows per holder, before and after
+    if t.shape[0] != (0 if h is None else n):
+        raise ValueError(f"children_to_owners: {t.shape[0]} rows, expected {m} children of {0 if h is None else L} local experts")
+    if h is None:
+        child = mine = torch.zeros(0, dtype=torch.long)
+    else:
+        j = torch.arange(m).repeat_interleave(L)
+        child = j * E + h * L + torch.arange(L).repeat(m)  # global index of each local row
+        mine = torch.arange(h * n, (h + 1) * n)  # the global experts this rank holds after
+    dest = A + child // n
     send_order = torch.argsort(dest * (m * E) + child)  # by destination, then global index
     send_counts = torch.bincount(dest, minlength=W).tolist()
-    mine = torch.arange(r * n, (r + 1) * n)  # the global experts this rank holds after
-    src = (mine % E) // L  # the rank that held each one's parent
+    src = A + (mine % E) // L  # the rank that held each one's parent
     recv_counts = torch.bincount(src, minlength=W).tolist()
     recv_order = torch.argsort(src * (m * E) + mine)  # arrival order: by source, then global index
     device, dtype = t.device, t.dtype
     wire = t.to(torch.uint8) if dtype == torch.bool else t  # gloo has no bool
-    flat = wire.reshape(n, -1)[send_order.to(device)].to(_device()).contiguous()
+    flat = wire.reshape(t.shape[0], math.prod(t.shape[1:]))[send_order.to(device)].to(_device()).contiguous()
     got = torch.empty_like(flat)
     dist.all_to_all_single(got, flat, recv_counts, send_counts, group=_group())
     out = torch.empty_like(got)
@@ -107,15 +117,17 @@ def children_to_owners(t: torch.Tensor, m: int, num_experts: int) -> torch.Tenso
 def expert_normal(shape_per_expert: tuple[int, ...], experts: torch.Tensor, key: int) -> torch.Tensor:
     """[len(experts), *shape_per_expert] float64 standard normal draws, each expert's from its own
     generator seeded by (key, global index): the same numbers whichever rank draws them."""
-    return _per_expert(lambda g: torch.randn(shape_per_expert, dtype=torch.float64, generator=g), experts, key)
+    return _per_expert(lambda g: torch.randn(shape_per_expert, dtype=torch.float64, generator=g), experts, key, shape_per_expert, torch.float64)
 
 
 def expert_uniform(shape_per_expert: tuple[int, ...], experts: torch.Tensor, key: int) -> torch.Tensor:
     """As expert_normal, U[0, 1) draws in float32."""
-    return _per_expert(lambda g: torch.rand(shape_per_expert, generator=g), experts, key)
+    return _per_expert(lambda g: torch.rand(shape_per_expert, generator=g), experts, key, shape_per_expert, torch.float32)
 
 
-def _per_expert(draw, experts: torch.Tensor, key: int) -> torch.Tensor:
+def _per_expert(draw, experts: torch.Tensor, key: int, shape_per_expert: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if not experts.numel():  # a rank without experts (an AF layout's attention rank)
+        return torch.empty((0, *shape_per_expert), dtype=dtype)
     return torch.stack([draw(torch.Generator().manual_seed(sub_key(key, e))) for e in experts.tolist()])
 
 
@@ -245,13 +257,14 @@ def clip_grad_norm(opt, max_norm: float) -> float:
 
 
 def dense_owners(model) -> dict[str, int] | None:
-    """The ZeRO-1 owner of each trainable dense parameter of `model`; None outside expert shards
-    (every entry is local)."""
+    """The ZeRO-1 owner of each trainable dense parameter of `model` (over the group's dense ranks:
+    every rank, or an AF layout's attention ranks); None outside expert shards (every entry is
+    local)."""
     if not _active():
         return None
     from growtrain.distributed import zero1_owners
 
-    return zero1_owners(dict(model.named_parameters()), current().size)
+    return zero1_owners(dict(model.named_parameters()), current().dense_ranks)
 
 
 def holds(name: str, owners: dict[str, int] | None) -> bool:

@@ -119,30 +119,37 @@ def _copy_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Te
 def _copies_problems(name: str, prov: Provenance, old: torch.Tensor, new: torch.Tensor, keep: torch.Tensor, source_sharded: bool = False, copies_sharded: bool = False) -> list[str]:
     """S derived from the transform and β against the declared S, on the kept elements.
 
-    The source's elements are numbered (globally on expert shards: rank r of W holds elements
-    [r·n, (r+1)·n) of a sharded source of n local elements) and pushed through the transform; the β
+    The source's elements are numbered (globally on expert shards: the r-th of the W ranks that
+    hold experts holds elements [r·n, (r+1)·n) of a sharded source of n local elements) and pushed through the transform; the β
     of the kept copies summed per source element gives its S, which the transform then carries
     back onto every copy. The copies of a sharded source may sit on other ranks: each rank's partial
     sums for the elements rank s holds are reduced onto rank s, one source rank at a time, so no
     rank ever holds more than a vector of its own source's size (float64)."""
     ep = sharding.current()
-    W, r = (ep.size, ep.rank) if ep is not None and source_sharded else (1, 0)
+    # W here: the ranks that hold experts (an AF layout's attention ranks hold none: r is None
+    # there, and they add nothing to the holders' sums but take part in their collectives).
+    W, r, base = (ep.expert_ranks, ep.holder(), ep.attention) if ep is not None and source_sharded else (1, 0, 0)
     n = old.numel()
+    if base:  # a rank without experts numbers none of the source, but its sums take the holders' size
+        n = int(sharding.max_ranks(float(n))[0])
     index_dtype = torch.int32 if n * W < 2**31 else torch.int64
-    index = prov.transform(torch.arange(r * n, (r + 1) * n, dtype=index_dtype, device=old.device).view(old.shape))
+    lo = (r or 0) * n
+    index = prov.transform(torch.arange(lo, lo + old.numel(), dtype=index_dtype, device=old.device).view(old.shape))
     if isinstance(prov.beta, torch.Tensor):
         beta = prov.beta.to(device=old.device, dtype=torch.float64).expand(new.shape)[keep]
     else:  # one value for every copy: not materialised
         beta = torch.tensor(float(prov.beta), dtype=torch.float64, device=old.device).expand(int(keep.sum()))
     index = index[keep]
-    if W > 1:
+    if W > 1 or base:
         sums = None
         for s in range(W):
             held_by_s = (index >= s * n) & (index < (s + 1) * n)
             part = torch.zeros(n, dtype=torch.float64, device=old.device).index_add_(0, index[held_by_s] - s * n, beta[held_by_s])
-            part = sharding.reduce_tensor(part, dst=s)
+            part = sharding.reduce_tensor(part, dst=base + s)
             if s == r:
                 sums = part
+        if r is None:
+            sums = torch.zeros(0, dtype=torch.float64, device=old.device)
         del index, beta
         derived = prov.transform(sums.view(old.shape))
     else:
@@ -210,6 +217,8 @@ def nf4_problems(model) -> list[str]:
     for prefix, experts in _nf4_modules(model):
         for m in MATRICES:
             stack = experts.stack(m)
+            if not stack.num_experts:  # a rank without experts (an AF layout's attention rank)
+                continue
             ours = experts.dequantized(m)  # the model's path, in the full-precision layout
             theirs = torch.stack([dequantize_nf4_bitsandbytes(stack, e) for e in range(stack.num_experts)])
             theirs = theirs.transpose(1, 2) if m == "w_down" else theirs
@@ -240,7 +249,7 @@ def quantization_error_problems(old_model, new_model, merged_source: bool) -> li
                 bnbf.dequantize_4bit(*bnbf.quantize_4bit(w.reshape(-1).contiguous(), blocksize=NF4_BLOCKSIZE,
                                                          quant_type="nf4", compress_statistics=double_quant)).reshape(w.shape)
                 for w in stored
-            ])
+            ]) if len(stored) else stored  # none on a rank without experts
             # On expert shards: the norms over every rank's experts.
             reference, got = (v**0.5 for v in sharding.sum_ranks(float((stored - round_trip).double().pow(2).sum()), float((full - experts.merged(m)).double().pow(2).sum())))
             if got > reference * (1 + NF4_ERROR_RTOL) + 1e-12:

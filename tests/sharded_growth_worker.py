@@ -8,7 +8,9 @@ entries it owns).
 argv[2]: the operators, JSON [[name, {args}], ...]; argv[3]: a mutation ("none"; "local_layout":
 split and clone leave their children in the local order instead of moving them to their owners;
 "wrong_copies": the last rank's clones declare half their copy count S; "whole": no mutation, clone_experts
-and quantize_experts each applied to the whole model instead of one layer at a time).
+and quantize_experts each applied to the whole model instead of one layer at a time); argv[4]
+(optional, default 0): how many of the first ranks hold no expert, as an AF layout's attention
+ranks while it grows (EPGroup.attention): they own the dense optimizer state, the others the experts.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def trained(cfg: ModelConfig, opt_cfg: OptimizerConfig):
     return model, opt.state
 
 
-def main(out: str, ops_json: str, mutation: str) -> None:
+def main(out: str, ops_json: str, mutation: str, attention: str = "0") -> None:
     W = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
     if W > 1:
@@ -67,12 +69,18 @@ def main(out: str, ops_json: str, mutation: str) -> None:
     cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=64, moe=moe, moe_layers=(1,))
     opt_cfg = OptimizerConfig(lr=3e-3, grad_clip=1.0)
     model, state = trained(cfg, opt_cfg)
-    ep = EPGroup(rank, W) if W > 1 else None
+    ep = EPGroup(rank, W, attention=int(attention)) if W > 1 else None
     if ep is not None:
         shard_experts(model, ep)
-        # As training keeps it: each rank its experts' slices and the dense entries it owns (ZeRO-1).
-        owners = zero1_owners(dict(model.named_parameters()), W)
-        state = {n: ParamState(**slice_entry(vars(s), rank, W)) if is_expert_tensor(n) else s for n, s in state.items() if is_expert_tensor(n) or owners[n] == rank}
+        # As training keeps it: each rank its experts' slices (none on a rank without experts) and
+        # the dense entries it owns (ZeRO-1 over the dense ranks).
+        owners = zero1_owners(dict(model.named_parameters()), ep.dense_ranks)
+        h = ep.holder()
+        if h is None:  # no row of any expert entry; its shared numbers kept
+            cut = lambda s: ParamState(**{k: v[:0] if isinstance(v, torch.Tensor) and v.ndim else v for k, v in vars(s).items()})  # noqa: E731
+        else:
+            cut = lambda s: ParamState(**slice_entry(vars(s), h, ep.expert_ranks))  # noqa: E731
+        state = {n: cut(s) if is_expert_tensor(n) else s for n, s in state.items() if is_expert_tensor(n) or owners[n] == rank}
     if mutation == "local_layout":
         import growtrain.stages.operators.experts as experts
 
@@ -99,7 +107,7 @@ def main(out: str, ops_json: str, mutation: str) -> None:
         grown = outcome.model
         report["experts"] = {n: t.tolist() for n, t in grown.state_dict().items() if is_expert_tensor(n) and t.is_floating_point()}
         report["dense"] = {n: t.tolist() for n, t in grown.state_dict().items() if not is_expert_tensor(n) and t.is_floating_point()}
-        report["owners"] = zero1_owners(dict(grown.named_parameters()), W)
+        report["owners"] = zero1_owners(dict(grown.named_parameters()), ep.dense_ranks if ep is not None else 1)
         report["state"] = {
             n: {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in vars(s).items()}
             for n, s in outcome.optimizer_state.items()
@@ -111,4 +119,4 @@ def main(out: str, ops_json: str, mutation: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -25,13 +25,15 @@ def af_run(world: int, attention: int, recipe, out, *args, **kw):
 
 @pytest.fixture(scope="module")
 def af_runs(tmp_path_factory):
-    """The recipe in one process, at 2 + 2 (4 processes) and at 1 + 2 (3 processes)."""
+    """The recipe in one process, at 2 + 2 (4 processes) and at 1 + 2 (3 processes, growing on
+    the host: on a CPU nothing moves, but every collective of the growth must go through the gloo
+    group made for it, which the collective guard holds it to)."""
     root = tmp_path_factory.mktemp("af")
     recipe, out, _ = train_recipe(EP_RECIPE, root, "ep")
     runs = {"one": out, "recipe": recipe}
     for world, attention in ((4, 2), (3, 1)):
         run = root / f"af{attention}{world - attention}"
-        r = af_run(world, attention, recipe, run)
+        r = af_run(world, attention, recipe, run, *(("--set", "train.grow_on=host") if attention == 1 else ()))
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         runs[(attention, world - attention)] = run
         runs[("log", attention)] = r.stdout
@@ -52,10 +54,12 @@ def test_2_plus_2_and_1_plus_2_train_as_one_process_and_grow_alike(af_runs):
         assert_close_losses(losses(run), reference, f"AF {attention} + {experts}")
         log = af_runs[("log", attention)]
         assert f"AF layout: {attention} attention + {experts} expert ranks" in log
-        assert "gathering the whole model on every rank (the AF layout does not grow on its shards yet)" in log
+        assert f"growth [moe]: on the AF layout's shards (the experts on the {experts} expert ranks" in log
+        assert "growth [split]: on the AF layout's shards" in log and "gathering the whole model" not in log
+        assert ("growth [split]: on the host (train.grow_on: host" in log) == (attention == 1)
         report, growth = _transitions(run)
         assert [g[:3] for g in growth] == [g[:3] for g in one_growth] and len(growth) == 4  # 3 operators and the transition check
-        for got, want in zip(growth, one_growth):  # the same checks on the same gathered model: fp32 rounding apart
+        for got, want in zip(growth, one_growth):  # the same checks on the shards as in one process: fp32 rounding apart
             assert got[3] == pytest.approx(want[3], rel=0.05, abs=1e-6), (got, want)
             assert got[4] == pytest.approx(want[4], rel=1e-3, abs=1e-5), (got, want)  # the loss change across the growth
         assert report["params_total"] == one_report["params_total"]

@@ -3,7 +3,9 @@
 quantize_experts; NF4 split, clone and merge_adapters; add_dense_lora) and those that draw fresh
 weights (add_heads, widen_ffn, deepen with fresh blocks) applied to a model whose experts are
 sharded over 2 (and 4) gloo processes give the grown model, optimizer state and growth report of one
-process; a sharded operator that leaves children on the wrong rank fails its check on every rank.
+process, and so do they in an AF layout's placement (issue 18: the first ranks hold no expert and
+own the dense optimizer state, the others hold the experts); a sharded operator that leaves
+children on the wrong rank fails its check on every rank.
 Every torchrun here checks NCCL's rules (GROWTRAIN_CHECK_COLLECTIVES=1)."""
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ NF4_TRANSITION = [
 ]
 
 
-def grow(tmp_path, world: int, ops, mutation: str = "none") -> list[dict]:
-    out = tmp_path / f"ep{world}-{mutation}"
+def grow(tmp_path, world: int, ops, mutation: str = "none", attention: int = 0) -> list[dict]:
+    """Each rank's report; `attention`: the first ranks hold no expert (an AF layout growing)."""
+    out = tmp_path / f"ep{world}-{mutation}-{attention}"
     env = {**cli_env(), "GROWTRAIN_CHECK_COLLECTIVES": "1", "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
-    r = subprocess.run([*launcher, str(WORKER), str(out), json.dumps(ops), mutation], cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*launcher, str(WORKER), str(out), json.dumps(ops), mutation, str(attention)], cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return [json.loads((out / f"rank-{k}.json").read_text()) for k in range(world)]
 
@@ -153,6 +156,24 @@ def test_growth_on_expert_shards_equals_one_process(tmp_path, ops, worlds, mode)
         assert_same_growth(grow(tmp_path, world, ops, mode), one)
 
 
+# An AF layout grows on its shards: the attention ranks (the first A) hold no expert, own the
+# dense optimizer state, and take part in every exchange with nothing to send; the expert ranks
+# hold E / F experts. 1 + 2 for the operators that move children (split, clone) and quantize, and
+# for the NF4 ones; 2 + 1 (one rank holds every expert) for drop-upcycling and widening.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "ops, world, attention",
+    [(EXPERTS_TRANSITION, 3, 1), (NF4_TRANSITION, 3, 1), (UPCYCLE_WIDEN + DENSE_LORA, 3, 2), (FRESH_DRAWS, 3, 1)],
+    ids=["full_then_quantize_1_plus_2", "nf4_1_plus_2", "upcycle_widen_lora_2_plus_1", "fresh_draws_1_plus_2"],
+)
+def test_growth_on_an_af_layouts_shards_equals_one_process(tmp_path, ops, world, attention):
+    one = grow(tmp_path, 1, ops)[0]
+    ranks = grow(tmp_path, world, ops, attention=attention)
+    assert all(not r["experts"] or not any(r["experts"].values()) for r in ranks[:attention])  # no expert row on an attention rank
+    assert all(owner < attention for owner in ranks[0]["owners"].values())  # the dense state on the attention ranks
+    assert_same_growth(ranks, one)
+
+
 @pytest.mark.slow
 def test_the_streamed_experts_transition_grows_the_whole_paths_model_and_state(tmp_path):
     streamed, whole = grow(tmp_path, 2, EXPERTS_TRANSITION), grow(tmp_path, 1, EXPERTS_TRANSITION, "whole")[0]
@@ -172,19 +193,25 @@ def failed_alike(ranks: list[dict], operator: str) -> list[str]:
     return failed[0]["problems"]
 
 
+# EP = 2, and an AF layout's 1 + 2 (the attention rank holding no expert)
+LAYOUTS = pytest.mark.parametrize("world, attention", [(2, 0), (3, 1)], ids=["ep2", "af_1_plus_2"])
+
+
 @pytest.mark.slow
-def test_children_left_on_the_wrong_rank_fail_the_check_on_every_rank(tmp_path):
-    problems = failed_alike(grow(tmp_path, 2, EXPERTS_TRANSITION, "local_layout"), STREAMED_PAIR)
+@LAYOUTS
+def test_children_left_on_the_wrong_rank_fail_the_check_on_every_rank(tmp_path, world, attention):
+    problems = failed_alike(grow(tmp_path, world, EXPERTS_TRANSITION, "local_layout", attention), STREAMED_PAIR)
     assert any("exact operator" in p for p in problems), problems
-    # In one process the local order is the global one: the same mutation changes nothing.
-    assert grow(tmp_path, 1, EXPERTS_TRANSITION, "local_layout")[0]["passed"]
+    if not attention:  # In one process the local order is the global one: the same mutation changes nothing.
+        assert grow(tmp_path, 1, EXPERTS_TRANSITION, "local_layout")[0]["passed"]
 
 
 @pytest.mark.slow
-def test_a_wrong_copy_count_on_one_rank_fails_the_value_check_on_every_rank(tmp_path):
+@LAYOUTS
+def test_a_wrong_copy_count_on_one_rank_fails_the_value_check_on_every_rank(tmp_path, world, attention):
     # A clone's S counts siblings that sit on other ranks: the derivation sums over ranks, so a
     # wrong S on one rank is found, and every rank reaches the same verdict.
-    problems = failed_alike(grow(tmp_path, 2, EXPERTS_TRANSITION, "wrong_copies"), STREAMED_PAIR)
+    problems = failed_alike(grow(tmp_path, world, EXPERTS_TRANSITION, "wrong_copies", attention), STREAMED_PAIR)
     assert any(re.search(r"declare copy count S = (0\.5|1) where the transform and β give (1|2) ", p) for p in problems), problems
 
 

@@ -338,12 +338,18 @@ def shard_af(moe: nn.Module, af: AFGroup, layer: int) -> nn.Module:
     on an expert rank its range."""
     lo, hi = (0, 0) if af.is_attention else af.experts(moe.num_experts)
     cut_experts(moe.experts, lo, hi)
-    moe.af, moe.af_layer = af, layer
+    moe.af, moe.af_layer, moe.ep = af, layer, None
     return moe
 
 
-def shard_af_model(model: nn.Module, af: AFGroup) -> nn.Module:
-    """Every MoE layer of `model` cut to this rank's part of the AF layout (shard_af), in place."""
+def shard_af_model(model: nn.Module, af: AFGroup, cut: bool = True) -> nn.Module:
+    """Every MoE layer of `model` cut to this rank's part of the AF layout (shard_af), in place.
+    `cut=False`: the layers hold this rank's part already (a model grown on the AF layout's
+    shards, whose MoE layers exchanged through an expert-parallel group): they only call the
+    expert ranks from now on."""
     for i, moe in enumerate(model.moe_layers):
-        shard_af(moe, af, i)
+        if cut:
+            shard_af(moe, af, i)
+        else:
+            moe.af, moe.af_layer, moe.ep = af, i, None
     return model

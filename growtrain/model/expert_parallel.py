@@ -40,18 +40,53 @@ CombineMode = Literal["overlapped", "serial"]
 class EPGroup:
     """This process's place in the expert-parallel group: the ranks of one node, in the default
     process group, or in `group` (a torch.distributed process group over the same ranks: the gloo
-    group growth on the host runs in, Dist.host_ep)."""
+    group growth on the host runs in, Dist.host_ep).
+
+    `attention` > 0: the first `attention` ranks hold no routed expert and the others E / F each
+    (F = size - attention), the AF layout's placement, in which an AF model grows on its shards
+    (Dist.growth_ep): every rank still routes its own tokens and sends each slot to its expert's
+    rank; the dense parameters' ZeRO-1 owners are the first `attention` ranks, as AF training
+    keeps them."""
 
     rank: int
     size: int
     combine: CombineMode = "overlapped"
     group: Any = field(default=None, compare=False)
+    attention: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.attention < self.size:
+            raise ValueError(f"an expert-parallel group of {self.size} ranks can leave 0..{self.size - 1} ranks without experts, got {self.attention}")
 
     def __deepcopy__(self, memo) -> "EPGroup":
         return self  # a handle on the process group, shared by every copy of a model (growth keeps copies)
 
+    @property
+    def expert_ranks(self) -> int:
+        """How many ranks hold experts (F)."""
+        return self.size - self.attention
+
+    @property
+    def dense_ranks(self) -> int:
+        """How many ranks own the dense parameters' optimizer state (ZeRO-1): all, or the AF
+        layout's attention ranks."""
+        return self.attention or self.size
+
+    def holder(self, rank: int | None = None) -> int | None:
+        """`rank`'s (default: this rank's) index among the ranks that hold experts, or None."""
+        rank = self.rank if rank is None else rank
+        return rank - self.attention if rank >= self.attention else None
+
     def experts(self, num_experts: int) -> tuple[int, int]:
-        return expert_range(num_experts, self.rank, self.size)
+        """This rank's experts [lo, hi): (0, 0) where it holds none."""
+        h = self.holder()
+        return (0, 0) if h is None else expert_range(num_experts, h, self.expert_ranks)
+
+    def splits(self, counts_E: torch.Tensor) -> list[int]:
+        """Per rank, how many of the slots counted per expert in `counts_E` [E] its experts take
+        (the experts being contiguous per rank)."""
+        per_holder = counts_E.view(self.expert_ranks, -1).sum(1).tolist()
+        return [0] * self.attention + per_holder
 
 
 class _AllToAll(torch.autograd.Function):
@@ -122,7 +157,7 @@ def expert_parallel_ffn(
     E = counts_E.numel()
     lo, hi = ep.experts(E)
     counts_WE = exchange_counts(counts_E, ep)
-    send_splits = counts_E.view(W, -1).sum(1).tolist()  # slots to each rank (experts are contiguous)
+    send_splits = ep.splits(counts_E)  # slots to each rank (experts are contiguous)
     recv_WL = counts_WE[:, lo:hi]
     recv_splits = recv_WL.sum(1).tolist()
     x_recv_RD = all_to_all(x_sorted_SD, recv_splits, send_splits, ep.group)
@@ -135,9 +170,12 @@ def expert_parallel_ffn(
     ys: list[torch.Tensor | None] = [None] * W
     for i in range(1, W + 1):  # remote-bound chunks first (ring order), own chunk last
         s = (ep.rank + i) % W
-        offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=x_sorted_SD.device)
-        offsets_L1[1:] = torch.cumsum(recv_WL[s].to(offsets_L1.device), 0)
-        ys[s] = experts(chunks[s], offsets_L1, backend).to(out_dtype)
+        if hi > lo:
+            offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=x_sorted_SD.device)
+            offsets_L1[1:] = torch.cumsum(recv_WL[s].to(offsets_L1.device), 0)
+            ys[s] = experts(chunks[s], offsets_L1, backend).to(out_dtype)
+        else:  # a rank without experts receives no slot: its empty chunk stays in the graph, so
+            ys[s] = chunks[s].to(out_dtype)  # the dispatch's backward (a collective) runs here too
         if overlapped and s != ep.rank:
             # Step i of a ring: send to rank + i what was just computed, receive from rank − i,
             # which is sending this rank its results at the same step. Pairing them in one batch

@@ -59,6 +59,8 @@ def quantize_stack(w_ERC: torch.Tensor, double_quant: bool = True) -> NF4Stack:
     """E matrices [rows, cols] quantized one by one with bitsandbytes (NF4, blocksize 64)."""
     bnbf = bitsandbytes_functional()
     E, rows, cols = w_ERC.shape
+    if not E:  # no expert (an AF layout's attention rank, growing): the code books alone, which are constants
+        return nf4_take_experts(quantize_stack(w_ERC.new_zeros((1, rows, cols)), double_quant), [])
     parts = [
         bnbf.quantize_4bit(w_ERC[e].detach().float().reshape(-1).contiguous(), blocksize=NF4_BLOCKSIZE, quant_type="nf4", compress_statistics=double_quant)
         for e in range(E)

@@ -70,7 +70,7 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
         shard_experts(grown_model, ep)
     shapes = {n: t.shape for n, t in grown_model.state_dict().items()}
     for name, w in model.state_dict().items():
-        reps = [n // o for n, o in zip(shapes[name], w.shape)]
+        reps = [n // o if o else 1 for n, o in zip(shapes[name], w.shape)]  # o = 0: no expert here (an AF attention rank)
         if [o * r for o, r in zip(w.shape, reps)] != list(shapes[name]):
             raise GrowthPlanError(f"widen_hidden: cannot tile {name} {tuple(w.shape)} into {tuple(shapes[name])}")
         input_side = w.ndim >= 2 and reps[-1] == k and name not in _LOOKUPS
@@ -87,7 +87,7 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
             std = args.noise * math.sqrt(sq / count)
             # Zero-mean over k copies of N(0, std²) draws: beyond 12 std only with probability ~1e-32.
             grown = grown + _null_space_noise(grown, k, std, torch.arange(*sharding.local_range(new_cfg.moe.num_experts)) if expert else None)
-            largest = float(grown.abs().max())
+            largest = float(grown.abs().max()) if grown.numel() else 0.0
             largest = sharding.max_ranks(largest)[0] if expert else largest
             noisy, bound = True, 12.0 * std + 1e-6 * largest  # + the sum's fp32 rounding
         new[name] = grown
