@@ -53,8 +53,20 @@ NF4_TRANSITION = [
 ]
 
 
+_GROWN: dict[str, list[dict]] = {}  # this module's growths, by their arguments: a growth is deterministic
+
+
 def grow(tmp_path, world: int, ops, mutation: str = "none", attention: int = 0) -> list[dict]:
-    """Each rank's report; `attention`: the first ranks hold no expert (an AF layout growing)."""
+    """Each rank's report; `attention`: the first ranks hold no expert (an AF layout growing).
+    A growth another test of this module ran with the same arguments is not run again (its
+    reports are read, never changed)."""
+    key = json.dumps([world, ops, mutation, attention])
+    if key not in _GROWN:
+        _GROWN[key] = _grow(tmp_path, world, ops, mutation, attention)
+    return _GROWN[key]
+
+
+def _grow(tmp_path, world: int, ops, mutation: str, attention: int) -> list[dict]:
     out = tmp_path / f"ep{world}-{mutation}-{attention}"
     env = {**cli_env(), "GROWTRAIN_CHECK_COLLECTIVES": "1", "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
