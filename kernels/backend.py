@@ -59,7 +59,7 @@ def triton_route(device: torch.device | str, dtype: torch.dtype) -> str:
     reason = grouped_torch.gemm_unavailable_reason(probe, [], []) if device.type == "cuda" else "not a GPU"
     nf4 = "NF4 bases dequantized first" if device.type == "cuda" else "NF4 decoded inside the kernel"
     if reason is None:
-        return f"products by torch._grouped_mm ({str(dtype).replace('torch.', '')}; Triton where a width is not a multiple of 16 bytes), {nf4}"
+        return f"products by torch._grouped_mm ({str(dtype).replace('torch.', '')}; Triton where D or F is not a multiple of 16 bytes; LoRA ranks padded), {nf4}"
     return f"products by triton kernels ({reason}), {nf4}"
 
 

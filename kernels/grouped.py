@@ -547,7 +547,8 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
             )
             like = (wg, wu, wd, ag, bg, au, bu, ad, bd)
             grads = [*dW, dA[0], dB[0], dA[1], dB[1], dA[2], dB[2]]
-            grads = [None if d is None else d.to(t.dtype) for d, t in zip(grads, like)]
+            # the adapters' gradients at their own rank (the route padded it): the leading rows / columns
+            grads = [None if d is None else d[tuple(slice(0, n) for n in t.shape)].to(t.dtype) for d, t in zip(grads, like)]
             return dx, None, None, *grads
 
         # dh = dy Wd + sd (dy Bd) Ad, turned into dg, du (and h, recomputed, for the down-projection grads)
@@ -635,8 +636,10 @@ def grouped_swiglu(
         lora_tensors += [None, None] if lo is None else [lo.A_ERI, lo.B_EOR]
     tensors = [x, *[t for t in dense if t is not None], *[t for t in lora_tensors if t is not None]]
     save = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    widths = [D, F, *(lo.rank for lo in lora if lo is not None)]
-    engine = resolve_gemm(gemm, x, widths, [x, *[t for t in dense if t is not None], *[t for t in lora_tensors if t is not None]])
+    # The LoRA ranks need not be multiples of 16 bytes: the torch route pads them (a copy, laid out
+    # as it needs); pairs it passes as they are have their layout checked.
+    as_they_are = [t for lo in lora if lo is not None and grouped_torch.padded_rank(lo.rank, x.dtype) == lo.rank for t in (lo.A_ERI, lo.B_EOR)]
+    engine = resolve_gemm(gemm, x, [D, F], [x, *[t for t in dense if t is not None], *as_they_are])
     decode = resolve_nf4_decode(nf4_decode, x.device)
     if engine == "torch" and decode == "fused":
         if nf4_decode == "fused":

@@ -32,7 +32,8 @@ from .weights import LoRA
 def gemm_unavailable_reason(x: torch.Tensor, widths: list[int], tensors: list[torch.Tensor]) -> str | None:
     """None when torch._grouped_mm can run every product of the layer: a GPU of compute capability
     9.0 or later in bf16 (CUTLASS' grouped kernel), or the CPU (its reference loop, for tests);
-    every width (D, F, the ranks) and every operand's row stride a multiple of 16 bytes."""
+    every width (D, F; the LoRA ranks are padded to it, in_dtype) and every operand's row stride a
+    multiple of 16 bytes."""
     if getattr(torch, "_grouped_mm", None) is None:
         return "this torch has no torch._grouped_mm"
     if x.device.type == "cuda":
@@ -56,10 +57,32 @@ def gemm_unavailable_reason(x: torch.Tensor, widths: list[int], tensors: list[to
 
 def in_dtype(weights: list, loras: list, dtype: torch.dtype) -> tuple[list, list]:
     """Weights and LoRA pairs in the compute dtype (fp32 master copies cast, as autocast casts a
-    Linear's weight; the Triton kernels convert inside instead)."""
+    Linear's weight; the Triton kernels convert inside instead), each pair's rank zero-padded to a
+    multiple of 16 bytes (`padded_rank`)."""
     weights = [w.to(dtype) for w in weights]
-    loras = [None if lo is None else LoRA(lo.A_ERI.to(dtype), lo.B_EOR.to(dtype), lo.scale) for lo in loras]
-    return weights, loras
+    return weights, [None if lo is None else _padded(lo, dtype) for lo in loras]
+
+
+def padded_rank(r: int, dtype: torch.dtype) -> int:
+    """The rank r rounded up to a multiple of 16 bytes in `dtype`, as torch._grouped_mm needs every
+    width (rank 4 in bf16, 8 bytes, becomes 8)."""
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    return -(-r // per) * per
+
+
+def _padded(lo: LoRA, dtype: torch.dtype) -> LoRA:
+    """A pair in `dtype` with zero rows of A and zero columns of B up to padded_rank: the same
+    product (x A'^T has zero columns there, which meet B's zero columns), the same gradients of the
+    first r rows and columns (`backward` returns them padded; the caller keeps those)."""
+    E, r, I = lo.A_ERI.shape
+    rp = padded_rank(r, dtype)
+    if rp == r:
+        return LoRA(lo.A_ERI.to(dtype), lo.B_EOR.to(dtype), lo.scale)
+    A = lo.A_ERI.new_zeros((E, rp, I), dtype=dtype)
+    B = lo.B_EOR.new_zeros((E, lo.B_EOR.shape[1], rp), dtype=dtype)
+    A[:, :r] = lo.A_ERI
+    B[:, :, :r] = lo.B_EOR
+    return LoRA(A, B, lo.scale)
 
 
 def _gm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -100,7 +123,8 @@ def forward(x: torch.Tensor, offs: torch.Tensor, weights: list, loras: list, sav
 
 
 def backward(dy, x, offs, g, u, z_fwd, weights, loras, need_dx: bool, need_dW: tuple, need_dA: tuple, need_dB: tuple):
-    """(dx or None, [dW], [dA], [dB]) per matrix (gate, up, down), None where not needed."""
+    """(dx or None, [dW], [dA], [dB]) per matrix (gate, up, down), None where not needed; dA and dB
+    at the padded rank of `loras` (in_dtype)."""
     zbd = low_rank(dy, loras[2], False, offs)
     dh = _project(dy, weights[2], False, loras[2], zbd, offs)
     dg, du, h = swiglu_backward(dh, g, u, need_dW[2] or need_dA[2])

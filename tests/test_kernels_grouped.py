@@ -178,15 +178,17 @@ def test_nf4_decoded_in_the_kernel_or_dequantized_first_gives_the_same_bits_forw
         assert_equal(f"{name}: fused vs dequantized first", a, b)
 
 
-@pytest.mark.parametrize("fmt", ["dense", "nf4_lora"])
-def test_torch_grouped_mm_route_matches_the_reference_forward_and_backward(fmt):
+@pytest.mark.parametrize("fmt, r", [("dense", 0), ("nf4_lora", 4), ("nf4_lora", 3)], ids=["dense", "nf4_lora", "nf4_lora_rank_padded"])
+def test_torch_grouped_mm_route_matches_the_reference_forward_and_backward(fmt, r):
     # The route a Hopper GPU takes in bf16 (resolve_gemm), run here on the CPU in fp32, where
-    # torch._grouped_mm is a loop of matmuls: the same math, orientation and gradients. Widths are
-    # multiples of 16 bytes, as the op requires; expert 1 has no rows.
+    # torch._grouped_mm is a loop of matmuls: the same math, orientation and gradients. D and F are
+    # multiples of 16 bytes, as the op requires; a rank of 3 (12 bytes) is zero-padded to 4 by the
+    # route, and its adapters' gradients come back at rank 3; expert 1 has no rows.
     from growtrain.kernels.grouped import resolve_gemm
+    from growtrain.kernels.grouped_torch import padded_rank
 
     counts = [5, 0, 9, 3]
-    E, N, d, f, r = len(counts), sum(counts), 32, 16, 4
+    E, N, d, f = len(counts), sum(counts), 32, 16
     gen = torch.Generator().manual_seed(21)
     if fmt == "dense":
         w = [_randn(E, f, d, gen=gen), _randn(E, f, d, gen=gen), _randn(E, d, f, gen=gen)]
@@ -216,6 +218,8 @@ def test_torch_grouped_mm_route_matches_the_reference_forward_and_backward(fmt):
     if fmt == "nf4_lora":
         with pytest.raises(ValueError, match="needs gemm='triton'"):
             grouped_swiglu(x, off, w, lora, gemm="torch", nf4_decode="fused")
+    assert [padded_rank(k, torch.bfloat16) for k in (1, 4, 8, 9, 16)] == [8, 8, 8, 16, 16]
+    assert [padded_rank(k, torch.float32) for k in (3, 4, 5)] == [4, 4, 8]
 
 
 def test_shape_errors_name_every_problem():
