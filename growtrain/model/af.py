@@ -332,24 +332,21 @@ def serve_calls(moe_layers: list[nn.Module], lanes: AFGroup | list[AFGroup], dev
             return served
 
 
-def shard_af(moe: nn.Module, af: AFGroup, layer: int) -> nn.Module:
+def shard_af(moe: nn.Module, af: AFGroup, layer: int, cut: bool = True) -> nn.Module:
     """MoE layer number `layer` (among the model's MoE layers) cut to this rank's part of the AF
     layout, in place: on an attention rank no routed expert (its calls go to the expert ranks),
-    on an expert rank its range."""
-    lo, hi = (0, 0) if af.is_attention else af.experts(moe.num_experts)
-    cut_experts(moe.experts, lo, hi)
+    on an expert rank its range. `cut=False`: the layer holds this rank's part already (a model
+    grown on the AF layout's shards, whose MoE layers exchanged through an expert-parallel
+    group): it only calls the expert ranks from now on."""
+    if cut:
+        lo, hi = (0, 0) if af.is_attention else af.experts(moe.num_experts)
+        cut_experts(moe.experts, lo, hi)
     moe.af, moe.af_layer, moe.ep = af, layer, None
     return moe
 
 
 def shard_af_model(model: nn.Module, af: AFGroup, cut: bool = True) -> nn.Module:
-    """Every MoE layer of `model` cut to this rank's part of the AF layout (shard_af), in place.
-    `cut=False`: the layers hold this rank's part already (a model grown on the AF layout's
-    shards, whose MoE layers exchanged through an expert-parallel group): they only call the
-    expert ranks from now on."""
+    """Every MoE layer of `model` cut to this rank's part of the AF layout (shard_af), in place."""
     for i, moe in enumerate(model.moe_layers):
-        if cut:
-            shard_af(moe, af, i)
-        else:
-            moe.af, moe.af_layer, moe.ep = af, i, None
+        shard_af(moe, af, i, cut)
     return model
