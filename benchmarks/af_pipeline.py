@@ -6,8 +6,9 @@
     python benchmarks/af_pipeline.py --nproc 8 --attention 4   # on an 8-GPU node (NCCL)
 
 It trains one small MoE recipe (a dense step, then an upcycled MoE stage; balance loss off, so
-the schedules compute the same numbers) three times with `growtrain run` under torchrun:
-co-located expert parallelism, AF sequential and AF ping-pong. For the AF runs it reports each
+the schedules compute the same numbers; each step two micro-batches, which the interleaved schedule
+keeps in flight together) four times with `growtrain run` under torchrun: co-located expert
+parallelism, AF sequential, AF ping-pong and AF interleaved. For the AF runs it reports each
 side's measured waiting share and the forward + backward time per step (metrics.jsonl: af/*,
 median over the MoE stage's steps) next to the planner's roofline for the same split and
 schedule, on hardware figures measured here: one process's matmul throughput and copy
@@ -33,16 +34,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SCHEDULES = ("sequential", "pingpong", "interleaved")
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
-    p.add_argument("--attention", type=int, default=2, help="attention ranks of the AF runs (default 2; ping-pong needs 2+)")
+    p.add_argument("--attention", type=int, default=2, help="attention ranks of the AF runs (default 2; ping-pong needs 2+, left out below)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4, help="blocks; every other one MoE")
     p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--batch", type=int, default=8, help="sequences per step over all ranks (divides by --attention and --nproc)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step over all ranks, in two micro-batches (half of it divides by --attention and --nproc)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10, help="steps of the MoE stage")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
@@ -58,12 +60,13 @@ def recipe(args) -> dict:
         "data": {"source": "builtin:pydoc_topics", "max_bytes": 200_000, "eval_fraction": 0.05},
         "train": {"log_every": 1000, "eval_every": 0, "eval_batches": 1},
         "stages": [
-            {"name": "dense", "steps": 1, "seq_len": args.seq, "batch_size": args.batch},
+            {"name": "dense", "steps": 1, "seq_len": args.seq, "batch_size": args.batch // 2, "grad_accum": 2},
             {
                 "name": "moe",
                 "steps": args.steps,
                 "seq_len": args.seq,
-                "batch_size": args.batch,
+                "batch_size": args.batch // 2,
+                "grad_accum": 2,
                 "grow": [{"op": "upcycle_moe", "num_experts": args.experts, "top_k": 2, "layers": list(range(1, args.layers, 2)), "aux_loss_coef": 0.0}],
             },
         ],
@@ -166,11 +169,9 @@ def main(argv=None) -> int:
         recipe_file = tmp / "af-bench.yaml"
         recipe_file.write_text(yaml.safe_dump(recipe(args), sort_keys=False))
         runs = {}
-        for name, extra in (
-            ("colocated", []),
-            ("sequential", ["distributed.layout=af", f"distributed.attention_ranks={args.attention}", "distributed.af_schedule=sequential"]),
-            ("pingpong", ["distributed.layout=af", f"distributed.attention_ranks={args.attention}", "distributed.af_schedule=pingpong"]),
-        ):
+        schedules = [name for name in SCHEDULES if name != "pingpong" or args.attention >= 2]  # ping-pong: two lanes
+        af = ["distributed.layout=af", f"distributed.attention_ranks={args.attention}"]
+        for name, extra in [("colocated", [])] + [(name, [*af, f"distributed.af_schedule={name}"]) for name in schedules]:
             out = tmp / name
             sets = [a for kv in extra for a in ("--set", kv)]
             torchrun(args.nproc, "-m", "growtrain", "run", recipe_file, "--out", out, "--set", "train.threads=1", *sets)
@@ -188,27 +189,29 @@ def main(argv=None) -> int:
             "shape": {"d_model": args.d_model, "layers": args.layers, "experts": args.experts, "batch": args.batch, "seq": args.seq},
             "colocated_step_s": step_seconds(runs["colocated"], "moe", args.batch * args.seq),
         }
-        for name in ("sequential", "pingpong"):
+        for name in schedules:
             c = compare(split, name, runs[name], "moe")
             c["measured"]["whole_step_s"] = step_seconds(runs[name], "moe", args.batch * args.seq)
             result[name] = c
-        result["pingpong_vs_sequential_passes"] = result["sequential"]["measured"]["step_s"] / result["pingpong"]["measured"]["step_s"]
-        result["pingpong_vs_sequential_predicted"] = result["sequential"]["predicted"]["step_s"] / result["pingpong"]["predicted"]["step_s"]
+            if name != "sequential":
+                result[f"{name}_vs_sequential_passes"] = result["sequential"]["measured"]["step_s"] / c["measured"]["step_s"]
+                result[f"{name}_vs_sequential_predicted"] = result["sequential"]["predicted"]["step_s"] / c["predicted"]["step_s"]
     if args.json:
         print(json.dumps({"af_pipeline": result}))
         return 0
     print(f"hardware (measured): {hw.peak_tflops:.3f} TFLOP/s, copy {hw.hbm_gbps:.1f} GB/s, all_to_all {link:.2f} GB/s per process; "
           f"{args.nproc} processes on {cores} core(s)" if figures["device"] == "cpu" else f"hardware (measured): {figures}")
     print(f"{'schedule':<12}{'passes pred':>13}{'passes meas':>13}{'whole step':>12}{'attn wait pred':>16}{'meas':>7}{'exp idle pred':>15}{'meas':>7}")
-    for name in ("sequential", "pingpong"):
+    for name in schedules:
         p, m = result[name]["predicted"], result[name]["measured"]
         print(f"{name:<12}{p['step_s'] * 1e3:>11.1f}ms{m['step_s'] * 1e3:>11.1f}ms{m['whole_step_s'] * 1e3:>10.1f}ms"
               f"{p['attention_wait_fraction']:>16.0%}{m['attention_wait_fraction']:>7.0%}{p['expert_idle_fraction']:>15.0%}{m['expert_idle_fraction']:>7.0%}")
     best = result["sequential"]["planner_pipelined"]
     print(f"{'planner':<12}{best['step_s'] * 1e3:>11.1f}ms{'-':>13}{'-':>12}{best['attention_wait_fraction']:>16.0%}{'-':>7}{best['expert_idle_fraction']:>15.0%}{'-':>7}"
-          "   (two micro-batches in flight per rank: not built)")
+          "   (two micro-batches in flight, the transfers overlapping the expert compute too)")
     print(f"co-located expert parallelism: whole step {result['colocated_step_s'] * 1e3:.1f} ms")
-    print(f"ping-pong vs sequential, passes: measured {result['pingpong_vs_sequential_passes']:.2f}x, predicted {result['pingpong_vs_sequential_predicted']:.2f}x")
+    for name in schedules[1:]:
+        print(f"{name} vs sequential, passes: measured {result[f'{name}_vs_sequential_passes']:.2f}x, predicted {result[f'{name}_vs_sequential_predicted']:.2f}x")
     return 0
 
 

@@ -8,7 +8,7 @@
 #      vs on the GPU; peak memory per stage vs the plan;
 #      host syncs per step under torch.cuda.set_sync_debug_mode;
 #   6. with 2+ GPUs: a short torchrun run (NCCL, expert parallelism, overlapped combine).
-#   7. with 2+ GPUs: the same in the AF layout (ping-pong from 4 GPUs), and from 4 GPUs benchmarks/af_pipeline.py.
+#   7. with 2+ GPUs: the same in the AF layout (interleaved schedule), and from 4 GPUs benchmarks/af_pipeline.py.
 # `--cpu`: parts 3-5 only, on the CPU with the reference backend (CI runs this form, so the script
 # cannot rot while no GPU is at hand). Writes everything under $OUT (default ./gpu_checks_out),
 # with summary.txt; exit code 0 only when every part that ran passed.
@@ -93,13 +93,14 @@ if [ "$CPU" -eq 0 ] && want 6; then
       --set stages.2.steps=10 --set stages.2.schedule.warmup_steps=2 --set stages.3.steps=5 --set stages.3.schedule.warmup_steps=1 \
       --set tracking.wandb.mode=disabled --set invariance.probe_batch_size=$(( NGPU > 4 ? NGPU : 4 )) 2>&1 | tail -40 | tee "$OUT/ep_run.txt"
     RC[6_torchrun_nccl]=${PIPESTATUS[0]}
-    # The AF layout on the node: half the GPUs attention ranks, ping-pong schedule; then its
-    # schedules against the planner (benchmarks/af_pipeline.py).
+    # The AF layout on the node: half the GPUs attention ranks, two micro-batches in flight on each
+    # (interleaved: grad_accum 2); then every schedule against the planner (benchmarks/af_pipeline.py).
     timeout 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m growtrain run tiny --out "$OUT/af_run" \
       --set stages.0.steps=20 --set stages.0.schedule.warmup_steps=5 --set stages.1.steps=10 --set stages.1.schedule.warmup_steps=2 \
       --set stages.2.steps=10 --set stages.2.schedule.warmup_steps=2 --set stages.3.steps=5 --set stages.3.schedule.warmup_steps=1 \
       --set tracking.wandb.mode=disabled --set distributed.layout=af --set distributed.attention_ranks=$(( NGPU / 2 )) \
-      --set distributed.af_schedule=$([ "$NGPU" -ge 4 ] && echo pingpong || echo sequential) 2>&1 | tail -40 | tee "$OUT/af_run.txt"
+      --set distributed.af_schedule=interleaved --set stages.0.grad_accum=2 --set stages.1.grad_accum=2 --set stages.2.grad_accum=2 \
+      --set stages.3.grad_accum=2 2>&1 | tail -40 | tee "$OUT/af_run.txt"
     RC[7_af_layout]=${PIPESTATUS[0]}
     if [ "$NGPU" -ge 4 ]; then
       timeout 150 "$PY" benchmarks/af_pipeline.py --nproc "$NGPU" --attention $(( NGPU / 2 )) --batch $(( 4 * NGPU )) --d-model 1024 \

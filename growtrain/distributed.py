@@ -32,7 +32,9 @@ sums every rank's owned share as above. Growth runs on the layout's shards (grow
 the attention ranks holding no expert; the expert ranks hold a copy of the dense part meanwhile)
 where every operator of the transition can, else it gathers the whole model. Under
 `af_schedule: pingpong` the attention ranks form two lanes (even, odd ranks), each with a group of
-its own holding every expert rank; an expert rank serves the lanes in turn (model/af.py).
+its own holding every expert rank; an expert rank serves the lanes in turn (model/af.py); under
+`af_schedule: interleaved` each attention rank keeps two micro-batches in flight
+(model/af_interleaved.py) and the expert ranks serve the calls as they come.
 
 Legend: W ranks.
 """
@@ -78,12 +80,15 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
         rows, experts, what, readers = A, W - A, "expert ranks", "attention ranks"
         if recipe.distributed.af_schedule == "pingpong" and A < 2:
             problems.append(f"distributed.af_schedule: pingpong needs 2+ attention ranks (two lanes), attention_ranks is {A}")
+        if recipe.distributed.af_schedule == "interleaved":
+            problems += interleaved_problems(recipe, shapes)
     for stage, shape in zip(recipe.stages, shapes):
         if stage.batch_size % rows:
             problems.append(f"stages '{stage.name}': batch_size {stage.batch_size} does not divide over {rows} {readers} (each trains its share of the rows)")
         if shape.moe is not None and shape.moe_layers and shape.moe.num_experts % experts:
             problems.append(f"stages '{stage.name}': {shape.moe.num_experts} experts do not divide over {experts} {what}")
-    if recipe.distributed.layout == "colocated" and any(stage.grow for stage in recipe.stages) and recipe.invariance.probe_batch_size < W:
+    # AF grows on its shards too, in a group of every rank (Dist.growth_ep)
+    if any(stage.grow for stage in recipe.stages) and recipe.invariance.probe_batch_size < W:
         problems.append(
             f"invariance.probe_batch_size {recipe.invariance.probe_batch_size} is smaller than the {W} ranks "
             "(growth on expert shards checks each rank on its share of the probe rows)"
@@ -91,6 +96,22 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
     if recipe.optimizer.dense_state_bits == 8:
         problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
     return problems
+
+def interleaved_problems(recipe, shapes) -> list[str]:
+    """What af_schedule: interleaved (two micro-batches in flight, model/af_interleaved.py) needs
+    of the recipe: the reversible stack (run by hand, split at the MoE calls) and, in every stage
+    with MoE layers, two micro-batches per step to pair up."""
+    problems = []
+    if not recipe.model.reversible:
+        problems.append("distributed.af_schedule: interleaved runs the reversible stack (model.reversible: true); use sequential or pingpong with plain autograd")
+    for stage, shape in zip(recipe.stages, shapes):
+        if shape.moe is not None and shape.moe_layers and stage.grad_accum < 2:
+            problems.append(
+                f"stages '{stage.name}': distributed.af_schedule: interleaved keeps two micro-batches of a step in flight, "
+                f"grad_accum is {stage.grad_accum} (give 2+, e.g. half the batch_size and grad_accum 2)"
+            )
+    return problems
+
 
 def resolve_attention_ranks(recipe, shapes, world_size: int):
     """`recipe` with distributed.attention_ranks: auto replaced by the planner's choice for
@@ -144,6 +165,7 @@ class Dist:
         # pingpong its lane's (an attention rank) or every lane's, served in turn (an expert rank).
         self.af_lanes: list[AFGroup] = lanes or ([self.af] if self.af is not None else [])
         self.pingpong = bool(lanes)
+        self.interleaved = False  # af_schedule: interleaved (from_env): two micro-batches in flight on an attention rank
         self.ep = EPGroup(rank, size, combine) if size > 1 and self.af is None else None
         self._host_ep: EPGroup | None = None  # growth on the host's group, made at its first use
         # AF: growth on shards runs in every rank's group, the experts where the layout keeps them.
@@ -187,6 +209,7 @@ class Dist:
                     if rank in members:
                         lanes.append(AFGroup(members.index(rank), len(members), len(members) - (size - attention), group, cfg.combine))
         d = cls(rank, dist.get_world_size(), cfg.combine, attention, dense_group, lanes)
+        d.interleaved = cfg.layout == "af" and cfg.af_schedule == "interleaved"
         d.timeout = datetime.timedelta(seconds=cfg.timeout_s)
         collective_guard.install_from_env(d.device)  # GROWTRAIN_CHECK_COLLECTIVES=1: NCCL's rules on any backend
         for group in [dense_group] + [lane.group for lane in lanes or []]:
@@ -221,7 +244,10 @@ class Dist:
 
     def describe(self) -> str:
         if self.af is not None:
-            schedule = ", ping-pong schedule (two lanes)" if self.pingpong else ", sequential schedule"
+            schedule = (
+                ", ping-pong schedule (two lanes)" if self.pingpong
+                else ", interleaved schedule (two micro-batches in flight)" if self.interleaved else ", sequential schedule"
+            )
             return f"AF layout: {self.af.attention} attention + {self.af.expert_ranks} expert ranks{schedule}, {self.af.combine} combine"
         return f"expert parallelism: {self.size} processes, {self.ep.combine} combine"
 

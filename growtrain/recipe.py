@@ -197,13 +197,16 @@ class DistributedConfig:
         default="h100-80gb",
         metadata={"doc": "The planner's hardware preset for attention_ranks: auto (a100-80gb, h100-80gb, h200-141gb, b200)."},
     )
-    af_schedule: Literal["sequential", "pingpong"] = field(
+    af_schedule: Literal["sequential", "pingpong", "interleaved"] = field(
         default="sequential",
         metadata={
             "doc": "layout: af: sequential: every attention rank makes each MoE call together, the expert ranks serve them "
             "at once (each side idles while the other computes; the co-located run's numbers). pingpong: the attention "
             "ranks in two lanes (even and odd ranks, 2+ attention ranks), the expert ranks serving one lane's call while "
-            "the other lane computes its attention; the balance loss then takes each lane's load (README: AF mode)."
+            "the other lane computes its attention; the balance loss then takes each lane's load. interleaved: two "
+            "micro-batches in flight on every attention rank (a step's grad_accum micro-batches in pairs: grad_accum 2+ "
+            "in every MoE stage, model.reversible on), one computing its attention while the expert ranks serve the "
+            "other's call; the co-located run's numbers (README: AF mode)."
         },
     )
 

@@ -39,6 +39,7 @@ from growtrain.kernels.backend import triton_route
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.model.af import clock as af_clock, end_calls, serve_calls
+from growtrain.model.af_interleaved import interleaved_passes
 from growtrain.model.expert_parallel import use_group
 from growtrain.optim import to_device
 from growtrain.optim_registry import build_optimizer
@@ -757,6 +758,20 @@ class Run:
             end_calls(self.dist.af_lanes[0], self.device)
         return loss
 
+    def _micro_batches(self, stage: StageConfig, rows, precision: str):
+        """The step's micro-batches, each's (cross-entropy, aux loss, MoE stats) once its backward
+        has run. AF interleaved: two at a time, in flight together (model/af_interleaved.py)."""
+        if not self.dist.interleaved:
+            for _ in range(stage.grad_accum):
+                inputs, targets = self.stream.next_batch(stage.batch_size, stage.seq_len, rows)
+                ce, aux, stats = forward_loss(self.model, self.to_device(inputs), self.to_device(targets), precision)
+                ((ce + aux) / stage.grad_accum).backward()
+                yield ce, aux, stats
+            return
+        for first in range(0, stage.grad_accum, 2):
+            batches = [self.stream.next_batch(stage.batch_size, stage.seq_len, rows) for _ in range(min(2, stage.grad_accum - first))]
+            yield from interleaved_passes(self.model, [(self.to_device(x), self.to_device(y)) for x, y in batches], precision, stage.grad_accum, self.device)
+
     def _train_stage(self, pos: Position, stage: StageConfig, corpus: Corpus) -> None:
         recipe = self.recipe
         precision = recipe.train.precision
@@ -787,10 +802,7 @@ class Run:
             if expert_side:  # every micro-batch's MoE calls, forward and backward, until the attention ranks end the step
                 serve_calls(self.model.moe_layers, self.dist.af_lanes, self.device)
                 ce_acc = aux_acc = torch.zeros((), dtype=torch.float64, device=self.device)
-            for _ in range(0 if expert_side else stage.grad_accum):
-                inputs, targets = self.stream.next_batch(stage.batch_size, stage.seq_len, rows)
-                ce, aux, stats = forward_loss(self.model, self.to_device(inputs), self.to_device(targets), precision)
-                ((ce + aux) / stage.grad_accum).backward()
+            for ce, aux, stats in [] if expert_side else self._micro_batches(stage, rows, precision):
                 ce_part, aux_part = ce.detach().double() / stage.grad_accum, aux.detach().double() / stage.grad_accum
                 ce_acc = ce_part if ce_acc is None else ce_acc + ce_part
                 aux_acc = aux_part if aux_acc is None else aux_acc + aux_part

@@ -4,7 +4,9 @@ others expert ranks that only follow the attention ranks' headers (growtrain/mod
 serve_calls): an evaluation forward without gradients, then two micro-batches of training
 forward and backward (the reversible backward recomputes each block, MoE calls included), against
 one process running the whole batch. Rank 0 writes a JSON report to argv[1]; argv[2] is A,
-argv[3] the expert format (full or nf4), argv[4] the precision (fp32 or bf16)."""
+argv[3] the expert format (full or nf4), argv[4] the precision (fp32 or bf16), argv[5] the
+attention ranks' schedule of the two micro-batches: sequential (one after the other) or
+interleaved (both in flight, growtrain/model/af_interleaved.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from growtrain import collective_guard
 from growtrain.expert_shards import is_expert_tensor
 from growtrain.model import GrowLM
 from growtrain.model.af import AFGroup, end_calls, serve_calls, shard_af_model
+from growtrain.model.af_interleaved import Turns, reversible_pass
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
 from growtrain.train import forward_loss
 
 
-def main(out: str, attention: str, expert_format: str, precision: str) -> None:
+def main(out: str, attention: str, expert_format: str, precision: str, schedule: str = "sequential") -> None:
     dist.init_process_group("gloo")
     guard_on = collective_guard.install_from_env(torch.device("cpu"))
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -69,10 +72,18 @@ def main(out: str, attention: str, expert_format: str, precision: str) -> None:
             ev = torch.tensor([forward_loss(model, *micro(0, rows), precision)[0].item()], dtype=torch.float64)
         end_calls(af, torch.device("cpu"))
         losses = torch.zeros(M, dtype=torch.float64)
-        for m in range(M):
-            ce, aux, _ = forward_loss(model, *micro(m, rows), precision)
-            ((ce + aux) / M).backward()
-            losses[m] = ce.item()
+        if schedule == "interleaved":
+            turns = Turns(torch.device("cpu"))
+            passes = turns.run([lambda m=m: reversible_pass(model, *micro(m, rows), precision, M) for m in range(M)])
+            for m, (ce, _, _) in enumerate(passes):
+                losses[m] = ce.item()
+            # each MoE call (forward, recompute, backward per MoE block and pass) handed over to the other pass
+            flags["handed_over"] = turns.handovers == M * 3 * len(cfg.moe_layers)
+        else:
+            for m in range(M):
+                ce, aux, _ = forward_loss(model, *micro(m, rows), precision)
+                ((ce + aux) / M).backward()
+                losses[m] = ce.item()
         end_calls(af, torch.device("cpu"))
     else:
         ev, losses = torch.zeros(1, dtype=torch.float64), torch.zeros(M, dtype=torch.float64)
@@ -103,4 +114,4 @@ def main(out: str, attention: str, expert_format: str, precision: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

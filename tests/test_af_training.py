@@ -189,7 +189,39 @@ def test_the_ping_pong_schedule_trains_as_one_process_where_the_balance_loss_is_
     assert r.returncode != 0 and "was not trained in an AF layout" in r.stderr
 
 
-def test_validate_checks_an_af_launch(micro_recipe):
+def test_the_interleaved_schedule_trains_as_one_process_and_a_killed_run_resumes_bit_for_bit(tmp_path):
+    """Two micro-batches in flight on the attention rank of 1 + 2 (af_schedule: interleaved): the
+    step's two micro-batches pass their MoE calls to each other, and the losses are one
+    process's, the balance loss included (each call sees its own micro-batch's load, as in one
+    process). An expert rank killed mid-run stops the attention rank (its passes run in threads)
+    with the message; the resume repeats the uninterrupted losses bit for bit."""
+    import copy
+
+    raw = copy.deepcopy(EP_RECIPE)
+    for stage in raw["stages"]:
+        stage["batch_size"], stage["grad_accum"] = 2, 2
+    recipe, one, _ = train_recipe(raw, tmp_path, "accum2")
+    interleaved = ("--set", "distributed.af_schedule=interleaved")
+    run = tmp_path / "interleaved"
+    r = af_run(3, 1, recipe, run, *interleaved)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "AF layout: 1 attention + 2 expert ranks, interleaved schedule (two micro-batches in flight)" in r.stdout
+    assert_close_losses(losses(run), losses(one), "AF 1 + 2, interleaved")
+    assert "growth [split] clone_experts" in r.stdout and "FAILED" not in r.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["af/microbatches"] == 2 and 0 <= row["af/attention_wait_fraction"] < 1 for row in rows)
+    killed = tmp_path / "killed"
+    env = cli_env(GROWTRAIN_FAULT="step_mid:14", GROWTRAIN_FAULT_RANK="2")  # in the 'split' stage
+    r = af_run(3, 1, recipe, killed, *interleaved, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "[rank 0] error: rank 0 stopped: another rank died or stopped responding" in r.stderr and "]: Traceback" not in r.stderr
+    r = af_run(3, 1, recipe, killed, *interleaved)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "resumed from step-00000012" in r.stdout
+    assert losses(killed) == losses(run), "a resumed interleaved run repeats the uninterrupted run's losses"
+
+
+def test_validate_checks_an_af_launch(micro_recipe, tmp_path):
     recipe = micro_recipe({"stages": [{"name": "only", "steps": 2, "seq_len": 16, "batch_size": 4}]})
     r = run_cli("validate", recipe, "--world-size", "4", *AF, "--set", "distributed.attention_ranks=3")
     assert r.returncode == 2
@@ -217,17 +249,17 @@ def test_one_process_with_an_af_layout_says_it_holds_everything(micro_recipe, tm
     assert "distributed.layout: af needs several processes (torchrun); one process holds everything" in r.stdout
 
 
-def test_the_af_pipeline_benchmark_runs_both_schedules_and_compares_them_with_the_plan():
+def test_the_af_pipeline_benchmark_runs_every_schedule_and_compares_them_with_the_plan():
     # benchmarks/af_pipeline.py at its smallest: 3 processes, 2 attention ranks (ping-pong needs 2)
     r = subprocess.run(
         [sys.executable, "benchmarks/af_pipeline.py", "--nproc", "3", "--attention", "2", "--d-model", "32", "--layers", "2",
-         "--experts", "6", "--batch", "6", "--seq", "16", "--steps", "3", "--json"],
+         "--experts", "6", "--batch", "12", "--seq", "8", "--steps", "3", "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])["af_pipeline"]
     assert got["colocated_step_s"] > 0
-    for schedule in ("sequential", "pingpong"):
+    for schedule in ("sequential", "pingpong", "interleaved"):
         c = got[schedule]
         assert (c["schedule"], c["attention_ranks"], c["expert_ranks"]) == (schedule, 2, 1)
         for side in ("predicted", "measured"):

@@ -48,10 +48,14 @@ recompute's backward; an evaluation makes the forward only. The expert ranks run
   call of lane 1 waits for lane 0's (fill), the last of lane 0 for nothing (drain, e / 2). Each
   lane's calls see its lane's load only: the balance loss's f_e is the lane's (a micro-batch
   level balance loss; the biases are updated from the lanes' loads summed, Dist.global_loads).
-  The planner's AF model (planning/disaggregation.py) takes max(a, e, x): two micro-batches in
-  flight on every attention rank, which needs a rank to run two passes at once (threads or
-  streams; on CUDA the autograd engine runs a device's backward on one thread, so two blocking
-  passes could wait on each other): not built.
+- interleaved: two micro-batches of the step in flight on every attention rank, each pass in a
+  thread of its own, one running at a time, handing over at each MoE call once its dispatch is
+  posted (growtrain/model/af_interleaved.py, which writes down the schedule: forward, recompute
+  and backward, and its bubble). Per call the period is max(a, e + x): the expert ranks serve
+  one pass's call while the attention ranks compute the other's attention. The numbers are the
+  co-located run's (each call sees its own micro-batch, as there). The planner's AF model
+  (planning/disaggregation.py) takes max(a, e, x): the transfers overlapping the expert ranks'
+  compute as well, which this schedule does not do.
 
 `clock` records each side's wait (the trainer logs af/attention_wait_fraction and
 af/expert_idle_fraction per step).
@@ -63,6 +67,7 @@ D d_model, E experts of the layer, L = E / F local experts, A attention ranks, F
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -162,6 +167,33 @@ def _describe(h) -> str:
     return f"{_KINDS.get(kind, kind)} of call {call} (MoE layer {layer})" if kind != END else "the end of the calls"
 
 
+def _post_call(x_sorted_SD: torch.Tensor, af: AFGroup, send: list[int], out_dtype: torch.dtype) -> tuple[torch.Tensor, list]:
+    """An attention rank's side of one MoE call, up to the results: the slots dispatched and the
+    combine's receives posted. Returns the results' buffer [S, D] and the works to wait on."""
+    nothing = [0] * af.size
+    sent_0D = x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]))
+    dist.all_to_all_single(sent_0D, x_sorted_SD.contiguous(), nothing, send, group=af.group)  # dispatch
+    y_SD = x_sorted_SD.new_empty((sum(send), x_sorted_SD.shape[1]), dtype=out_dtype)
+    if af.combine == "overlapped":
+        # Every expert rank's rows, received as each is sent: its chunk of this rank's slots
+        # lies contiguously in y_SD, in expert-rank order (the slots are sorted by expert).
+        ops = [dist.P2POp(dist.irecv, part, group=af.group, group_peer=src) for src, part in enumerate(y_SD.split(send)) if part.shape[0]]
+        return y_SD, dist.batch_isend_irecv(ops) if ops else []
+    empty_0D = x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]), dtype=out_dtype)
+    return y_SD, [dist.all_to_all_single(y_SD, empty_0D, send, nothing, group=af.group, async_op=True)]
+
+
+def _post_backward(grad_y: torch.Tensor, af: AFGroup, send: list[int], call: int, x_dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    """An attention rank's side of one MoE call's backward, up to the slots' gradients: the
+    results' gradients sent, the slots' gradients' receive posted (the buffer and its work)."""
+    _header(af, grad_y.device, (BACKWARD, call, 0, 0, 0, 0))
+    nothing = [0] * af.size
+    dist.all_to_all_single(grad_y.new_empty((0, grad_y.shape[1])), grad_y.contiguous(), nothing, send, group=af.group)
+    grad_x = grad_y.new_empty((sum(send), grad_y.shape[1]), dtype=x_dtype)  # the slots' dtype, as the expert ranks send it
+    work = dist.all_to_all_single(grad_x, grad_x.new_empty((0, grad_y.shape[1])), send, nothing, group=af.group, async_op=True)
+    return grad_x, work
+
+
 class _AttentionSide(torch.autograd.Function):
     """One MoE call on an attention rank: the slots out and the results back (forward), the
     results' gradients out and the slots' back (backward), each announced by a header."""
@@ -169,34 +201,81 @@ class _AttentionSide(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_sorted_SD: torch.Tensor, af: AFGroup, send: list[int], call: int, out_dtype: torch.dtype) -> torch.Tensor:
         ctx.af, ctx.send, ctx.call, ctx.x_dtype = af, send, call, x_sorted_SD.dtype
-        nothing = [0] * af.size
-        sent_0D = x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]))
-        dist.all_to_all_single(sent_0D, x_sorted_SD.contiguous(), nothing, send, group=af.group)  # dispatch
-        y_SD = x_sorted_SD.new_empty((sum(send), x_sorted_SD.shape[1]), dtype=out_dtype)
-        if af.combine == "overlapped":
-            # Every expert rank's rows, received as each is sent: its chunk of this rank's slots
-            # lies contiguously in y_SD, in expert-rank order (the slots are sorted by expert).
-            ops = [
-                dist.P2POp(dist.irecv, part, group=af.group, group_peer=src)
-                for src, part in enumerate(y_SD.split(send)) if part.shape[0]
-            ]
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait()
-        else:
-            dist.all_to_all_single(y_SD, x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]), dtype=out_dtype), send, nothing, group=af.group)
+        y_SD, works = _post_call(x_sorted_SD, af, send, out_dtype)
+        for work in works:
+            work.wait()
         return y_SD
 
     @staticmethod
     def backward(ctx, grad_y):
         t0 = time.perf_counter()
-        af, send = ctx.af, ctx.send
-        _header(af, grad_y.device, (BACKWARD, ctx.call, 0, 0, 0, 0))
-        nothing = [0] * af.size
-        dist.all_to_all_single(grad_y.new_empty((0, grad_y.shape[1])), grad_y.contiguous(), nothing, send, group=af.group)
-        grad_x = grad_y.new_empty((sum(send), grad_y.shape[1]), dtype=ctx.x_dtype)  # the slots' dtype, as the expert ranks send it
-        dist.all_to_all_single(grad_x, grad_x.new_empty((0, grad_y.shape[1])), send, nothing, group=af.group)
+        grad_x, work = _post_backward(grad_y, ctx.af, ctx.send, ctx.call, ctx.x_dtype)
+        work.wait()
         clock.wait_s += time.perf_counter() - t0
         return grad_x, None, None, None, None
+
+
+# -- two micro-batches in flight (af_schedule: interleaved, growtrain/model/af_interleaved.py) --
+#
+# Each micro-batch's pass runs in a thread of its own, one thread at a time: a MoE call posts its
+# dispatch and the combine's receives, hands over to the other pass (`in_flight.turns.switch()`)
+# and takes the results when it is its turn again. Grad mode on, the call is one of the
+# reversible backward's recompute (split_g_backward): its results come back as a leaf, and the
+# call is recorded so that the backward of G can send that leaf's gradient and, after another
+# hand-over, take the slots' gradients (SplitCall.backward). Nothing hands over inside the
+# autograd engine: on CUDA it runs a device's backward on one thread shared by both passes.
+
+
+class InFlight(threading.local):
+    """This thread's part in interleaved passes: the hand-over (af_interleaved.Turns) and, during
+    a recompute of G, the list that records its MoE calls."""
+
+    turns: Any = None
+    split: list | None = None
+
+
+in_flight = InFlight()
+
+
+@dataclass
+class SplitCall:
+    """A MoE call of a recompute whose results came back as a leaf (`y`), apart from the slots'
+    graph (`x`): the backward of G sends y's gradient, then pushes the slots' through x."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    af: AFGroup
+    send: list[int]
+    call: int
+
+    def backward(self, grad_y: torch.Tensor) -> torch.Tensor:
+        """The slots' gradients for the results' `grad_y`: sent to the expert ranks, the other pass
+        running while they compute."""
+        t0 = time.perf_counter()
+        grad_x, work = _post_backward(grad_y, self.af, self.send, self.call, self.x.dtype)
+        posted = time.perf_counter()
+        in_flight.turns.switch()
+        t1 = time.perf_counter()
+        work.wait()
+        clock.wait_s += (posted - t0) + (time.perf_counter() - t1)
+        return grad_x
+
+
+def _interleaved_call(x_sorted_SD: torch.Tensor, af: AFGroup, send: list[int], call: int, out_dtype: torch.dtype, grad: bool) -> tuple[torch.Tensor, float]:
+    """A MoE call inside interleaved passes (above): the results, and the seconds this thread
+    was handed over (the other pass computing, not a wait)."""
+    if grad and in_flight.split is None:
+        raise RuntimeError("AF interleaved passes: a MoE call with gradients outside the reversible backward's recompute (model.reversible must be on)")
+    y_SD, works = _post_call(x_sorted_SD.detach(), af, send, out_dtype)
+    t0 = time.perf_counter()
+    in_flight.turns.switch()
+    away = time.perf_counter() - t0
+    for work in works:
+        work.wait()
+    if grad:
+        y_SD.requires_grad_(True)
+        in_flight.split.append(SplitCall(x_sorted_SD, y_SD, af, send, call))
+    return y_SD, away
 
 
 def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +295,12 @@ def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup
     for f in range(af.expert_ranks):
         lo, hi = af.experts_of(f, E)
         send[A + f] = int(counts_E[lo:hi].sum())
-    y_SD = _AttentionSide.apply(x_sorted_SD, af, send, call, out_dtype)
-    clock.wait_s += time.perf_counter() - t0
+    away = 0.0
+    if in_flight.turns is not None:
+        y_SD, away = _interleaved_call(x_sorted_SD, af, send, call, out_dtype, grad)
+    else:
+        y_SD = _AttentionSide.apply(x_sorted_SD, af, send, call, out_dtype)
+    clock.wait_s += time.perf_counter() - t0 - away
     return y_SD, counts_WE.sum(0)
 
 

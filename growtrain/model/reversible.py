@@ -32,6 +32,8 @@ Legend: B batch, T sequence (or tokens), D d_model, K top-k.
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -39,7 +41,7 @@ from torch import nn
 from growtrain.model.moe import MoEStats
 
 
-def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+def autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     """(device type, enabled, dtype) for the streams' device and the CPU, as the forward saw them."""
     types = [device_type] if device_type == "cpu" else [device_type, "cpu"]
     state = []
@@ -49,7 +51,7 @@ def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     return state
 
 
-def _replay_autocast(state: list[tuple[str, bool, torch.dtype]]) -> ExitStack:
+def replay_autocast(state: list[tuple[str, bool, torch.dtype]]) -> ExitStack:
     stack = ExitStack()
     for dev, enabled, dtype in state:
         stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
@@ -66,7 +68,7 @@ def _compact_routing(idx_TK: torch.Tensor, num_experts: int | None) -> torch.Ten
     return idx_TK
 
 
-def _check_no_dropout(blocks: nn.ModuleList) -> None:
+def check_no_dropout(blocks: nn.ModuleList) -> None:
     for m in blocks.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training:
             raise NotImplementedError(
@@ -88,70 +90,110 @@ class _ReversibleStack(torch.autograd.Function):
     def forward(ctx, x1, x2, blocks, plan, *params):
         ctx.blocks, ctx.plan, ctx.num_params = blocks, plan, len(params)
         ctx.params = params  # leaf parameters: held by reference, not through saved-tensor hooks
-        ctx.autocast = _autocast_state(x1.device.type)
-        aux, loads, indices, routings = [], [], [], []
-        inputs = (x1, x2)
-        for block in blocks:
-            x1, x2, stats = block(x1, x2)
-            if stats is not None:
-                aux.append(stats.aux_loss)
-                loads.append(stats.load)
-                indices.append(stats.top_k_indices)
-                routings.append(_compact_routing(stats.top_k_indices, getattr(block.g.ffn, "num_experts", None)))
-        ctx.num_moe = len(aux)
+        ctx.autocast = autocast_state(x1.device.type)
+        y1, y2, stats, routings = forward_blocks(blocks, x1, x2)
+        ctx.num_moe = len(stats)
         # The stack's own inputs are kept too (two streams, whatever the depth): the first block's
         # outputs can dwarf the embedding streams (|x| ~13 -> |y| ~2e3 in a trained 4-block model),
         # and inverting it would leave ~1% fp32 error in x1 (eps * |y| / |x|), in every gradient of
         # that block and of the embedding.
-        ctx.save_for_backward(x1, x2, inputs[0], inputs[1], *routings)
+        ctx.save_for_backward(y1, y2, x1, x2, *routings)
+        loads, indices = [s.load for s in stats], [s.top_k_indices for s in stats]
         ctx.mark_non_differentiable(*loads, *indices)
-        return (x1, x2, *aux, *loads, *indices)
+        return (y1, y2, *(s.aux_loss for s in stats), *loads, *indices)
 
     @staticmethod
     def backward(ctx, dy1, dy2, *rest):
-        d_aux = rest[: ctx.num_moe]
         y1, y2, in1, in2, *routings = ctx.saved_tensors
-        params = ctx.params
-        grads: list[torch.Tensor | None] = [None] * ctx.num_params
-        moe_i = ctx.num_moe
-        first = len(ctx.blocks) - 1  # the last one the backward reaches: its inputs are the saved ones
-        for k, (block, (f_idx, g_idx)) in enumerate(zip(reversed(ctx.blocks), reversed(ctx.plan))):
-            routing = None
-            if block.is_moe:
-                moe_i -= 1
-                routing = routings[moe_i]
-
-            # G: y2 = x2 + G(y1). Its graph gives x2 and d/dy1, d/dθ_G (aux loss included).
-            with torch.enable_grad(), _replay_autocast(ctx.autocast):
-                y1_ = y1.detach().requires_grad_(True)
-                g_out, stats = block.g(y1_, routing=routing)
-                g_out = g_out.to(y2.dtype)
-            outs, outs_grad = [g_out], [dy2]
-            if stats is not None and stats.aux_loss.requires_grad:
-                outs.append(stats.aux_loss)
-                outs_grad.append(d_aux[moe_i].to(stats.aux_loss.dtype))
-            with torch.no_grad():
-                x2 = in2 if k == first else y2 - g_out
-            got = torch.autograd.grad(outs, [y1_, *(params[i] for i in g_idx)], outs_grad, allow_unused=True)
-            if got[0] is not None:
-                dy1 = dy1 + got[0]
-            _accumulate(grads, g_idx, got[1:])
-            del g_out, stats, outs, got
-
-            # F: y1 = x1 + F(x2). Its graph gives x1 and d/dx2, d/dθ_F.
-            with torch.enable_grad(), _replay_autocast(ctx.autocast):
-                x2_ = x2.requires_grad_(True)
-                f_out = block.f(x2_).to(y1.dtype)
-            with torch.no_grad():
-                x1 = in1 if k == first else y1 - f_out
-            got = torch.autograd.grad(f_out, [x2_, *(params[i] for i in f_idx)], dy1, allow_unused=True)
-            dx2 = dy2 if got[0] is None else dy2 + got[0]
-            _accumulate(grads, f_idx, got[1:])
-            del f_out, got
-
-            y1, y2, dy1, dy2 = x1, x2.detach(), dy1, dx2
+        saved = SavedStack(y1, y2, in1, in2, routings, ctx.autocast)
+        dx1, dx2, grads = backward_blocks(ctx.blocks, ctx.plan, ctx.params, saved, dy1, dy2, rest[: ctx.num_moe])
         need_x1, need_x2 = ctx.needs_input_grad[:2]
-        return (dy1 if need_x1 else None, dy2 if need_x2 else None, None, None, *grads)
+        return (dx1 if need_x1 else None, dx2 if need_x2 else None, None, None, *grads)
+
+
+def forward_blocks(blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats], list[torch.Tensor]]:
+    """The reversible forward, run without a graph (inside an autograd function, or under
+    no_grad): the final streams, each MoE block's stats and its compact routing (what the
+    backward keeps)."""
+    stats, routings = [], []
+    for block in blocks:
+        x1, x2, s = block(x1, x2)
+        if s is not None:
+            stats.append(s)
+            routings.append(_compact_routing(s.top_k_indices, getattr(block.g.ffn, "num_experts", None)))
+    return x1, x2, stats, routings
+
+
+@dataclass
+class SavedStack:
+    """What the reversible backward starts from: the final streams, the stack's input streams,
+    the MoE blocks' routings and the forward's autocast state."""
+
+    y1: torch.Tensor
+    y2: torch.Tensor
+    in1: torch.Tensor
+    in2: torch.Tensor
+    routings: list[torch.Tensor]
+    autocast: list[tuple[str, bool, torch.dtype]]
+
+
+def g_backward(block: nn.Module, y1: torch.Tensor, routing, dy2: torch.Tensor, d_aux, params: list[nn.Parameter], autocast) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+    """G's part of one block's backward: G(y1) recomputed with a graph, then (G's output,
+    detached, for the inversion; d/dy1; d/dθ_G). d_aux: the block's aux loss gradient (MoE)."""
+    with torch.enable_grad(), replay_autocast(autocast):
+        y1_ = y1.detach().requires_grad_(True)
+        g_out, stats = block.g(y1_, routing=routing)
+        g_out = g_out.to(dy2.dtype)
+    outs, outs_grad = [g_out], [dy2]
+    if stats is not None and stats.aux_loss.requires_grad:
+        outs.append(stats.aux_loss)
+        outs_grad.append(d_aux.to(stats.aux_loss.dtype))
+    got = torch.autograd.grad(outs, [y1_, *params], outs_grad, allow_unused=True)
+    return g_out.detach(), got[0], got[1:]
+
+
+GBackward = Callable[..., tuple[torch.Tensor, "torch.Tensor | None", tuple]]
+
+
+def backward_blocks(
+    blocks: nn.ModuleList, plan, params, saved: SavedStack, dy1: torch.Tensor, dy2: torch.Tensor, d_aux, g_part: GBackward = g_backward
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+    """The reversible backward over the stack, from the gradients of its final streams (and of
+    each MoE block's aux loss): the gradients of its input streams and of `params` (None where
+    none came). `g_part`: G's recompute and backward (AF's interleaved passes split it at the
+    MoE call, growtrain/model/af_interleaved.py)."""
+    y1, y2, in1, in2 = saved.y1, saved.y2, saved.in1, saved.in2
+    grads: list[torch.Tensor | None] = [None] * len(params)
+    moe_i = len(saved.routings)
+    first = len(blocks) - 1  # the last one the backward reaches: its inputs are the saved ones
+    for k, (block, (f_idx, g_idx)) in enumerate(zip(reversed(blocks), reversed(plan))):
+        routing = aux_grad = None
+        if block.is_moe:
+            moe_i -= 1
+            routing, aux_grad = saved.routings[moe_i], d_aux[moe_i]
+
+        # G: y2 = x2 + G(y1). Its graph gives x2 and d/dy1, d/dθ_G (aux loss included).
+        g_out, d_y1, got = g_part(block, y1, routing, dy2, aux_grad, [params[i] for i in g_idx], saved.autocast)
+        with torch.no_grad():
+            x2 = in2 if k == first else y2 - g_out
+        if d_y1 is not None:
+            dy1 = dy1 + d_y1
+        _accumulate(grads, g_idx, got)
+        del g_out, d_y1, got
+
+        # F: y1 = x1 + F(x2). Its graph gives x1 and d/dx2, d/dθ_F.
+        with torch.enable_grad(), replay_autocast(saved.autocast):
+            x2_ = x2.detach().requires_grad_(True)
+            f_out = block.f(x2_).to(y1.dtype)
+        with torch.no_grad():
+            x1 = in1 if k == first else y1 - f_out
+        got = torch.autograd.grad(f_out, [x2_, *(params[i] for i in f_idx)], dy1, allow_unused=True)
+        dx2 = dy2 if got[0] is None else dy2 + got[0]
+        _accumulate(grads, f_idx, got[1:])
+        del f_out, got
+
+        y1, y2, dy1, dy2 = x1, x2.detach(), dy1, dx2
+    return dy1, dy2, grads
 
 
 def _accumulate(grads: list, indices: list[int], new: tuple) -> None:
@@ -160,7 +202,7 @@ def _accumulate(grads: list, indices: list[int], new: tuple) -> None:
             grads[i] = g if grads[i] is None else grads[i] + g
 
 
-def _plan(blocks: nn.ModuleList) -> tuple[list[nn.Parameter], list[tuple[list[int], list[int]]]]:
+def stack_plan(blocks: nn.ModuleList) -> tuple[list[nn.Parameter], list[tuple[list[int], list[int]]]]:
     """Every trainable parameter of the blocks once, and per block the indices of F's and G's."""
     params: list[nn.Parameter] = []
     where: dict[int, int] = {}
@@ -187,8 +229,8 @@ def reversible_blocks(
     the final streams and the MoE routing are kept for the backward."""
     if len(blocks) == 0:
         return x1, x2, []
-    _check_no_dropout(blocks)
-    params, plan = _plan(blocks)
+    check_no_dropout(blocks)
+    params, plan = stack_plan(blocks)
     out = _ReversibleStack.apply(x1, x2, blocks, plan, *params)
     n = (len(out) - 2) // 3
     aux, loads, indices = out[2 : 2 + n], out[2 + n : 2 + 2 * n], out[2 + 2 * n :]

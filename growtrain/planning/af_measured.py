@@ -7,8 +7,10 @@ expert side, tx the transfers), per schedule (growtrain/model/af.py writes the s
 - sequential: step ta + te + tx; the attention ranks wait te + tx of it, the expert ranks idle ta;
 - pingpong: step max(ta + (te + tx) / 2, te + tx) (two lanes, the expert ranks serving one while
   the other computes);
-- the planner's own (af_search): max(ta, te, tx), two micro-batches in flight on every rank (not
-  built: no run to compare it with).
+- interleaved: step max(ta, te + tx) (two micro-batches in flight on every attention rank, the
+  expert ranks' transfers in line with their compute: model/af_interleaved.py);
+- the planner's own (af_search): max(ta, te, tx), two micro-batches in flight on every rank and
+  the transfers overlapping the expert compute too.
 The measured side covers the forward and backward passes (af/passes_s; the optimizer step and
 the gradient reduction are outside them), the predicted side the planner's whole step.
 """
@@ -40,12 +42,14 @@ class ScheduleTimes:
 
 
 def predict(split: AfSplit, schedule: str) -> ScheduleTimes:
-    """`schedule` (sequential, pingpong, or planner: af_search's own) on `split`."""
+    """`schedule` (sequential, pingpong, interleaved, or planner: af_search's own) on `split`."""
     ta, te, tx = split.attention_s, split.experts_s, split.transfer_s
     if schedule == "sequential":
         step = ta + te + tx
     elif schedule == "pingpong":
         step = max(ta + (te + tx) / 2, te + tx)
+    elif schedule == "interleaved":
+        step = max(ta, te + tx)
     elif schedule == "planner":
         step = split.step_time_s
     else:
