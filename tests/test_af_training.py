@@ -249,19 +249,21 @@ def test_one_process_with_an_af_layout_says_it_holds_everything(micro_recipe, tm
     assert "distributed.layout: af needs several processes (torchrun); one process holds everything" in r.stdout
 
 
-def test_the_af_pipeline_benchmark_runs_every_schedule_and_compares_them_with_the_plan():
-    # benchmarks/af_pipeline.py at its smallest: 3 processes, 2 attention ranks (ping-pong needs 2)
+def test_the_af_pipeline_benchmark_compares_its_schedules_with_the_plan():
+    # benchmarks/af_pipeline.py at its smallest: 2 processes, 1 + 1 (ping-pong, which needs 2
+    # attention ranks, left out: its prediction is checked against a run by the ping-pong test)
     r = subprocess.run(
-        [sys.executable, "benchmarks/af_pipeline.py", "--nproc", "3", "--attention", "2", "--d-model", "32", "--layers", "2",
-         "--experts", "6", "--batch", "12", "--seq", "8", "--steps", "3", "--json"],
+        [sys.executable, "benchmarks/af_pipeline.py", "--nproc", "2", "--attention", "1", "--d-model", "32", "--layers", "2",
+         "--experts", "4", "--batch", "4", "--seq", "16", "--steps", "3", "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])["af_pipeline"]
     assert got["colocated_step_s"] > 0
-    for schedule in ("sequential", "pingpong", "interleaved"):
+    assert "pingpong" not in got and got["interleaved_vs_sequential_passes"] > 0
+    for schedule in ("sequential", "interleaved"):
         c = got[schedule]
-        assert (c["schedule"], c["attention_ranks"], c["expert_ranks"]) == (schedule, 2, 1)
+        assert (c["schedule"], c["attention_ranks"], c["expert_ranks"]) == (schedule, 1, 1)
         for side in ("predicted", "measured"):
             assert c[side]["step_s"] > 0 and 0 <= c[side]["expert_idle_fraction"] <= 1, (schedule, side, c[side])
             assert c[side]["attention_s"] > 0 and c[side]["expert_s"] > 0, (schedule, side, c[side])
