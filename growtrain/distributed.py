@@ -97,6 +97,7 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
         problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
     return problems
 
+
 def interleaved_problems(recipe, shapes) -> list[str]:
     """What af_schedule: interleaved (two micro-batches in flight, model/af_interleaved.py) needs
     of the recipe: the reversible stack (run by hand, split at the MoE calls) and, in every stage

@@ -211,13 +211,13 @@ def test_the_interleaved_schedule_trains_as_one_process_and_a_killed_run_resumes
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(row["af/microbatches"] == 2 and 0 <= row["af/attention_wait_fraction"] < 1 for row in rows)
     killed = tmp_path / "killed"
-    env = cli_env(GROWTRAIN_FAULT="step_mid:14", GROWTRAIN_FAULT_RANK="2")  # in the 'split' stage
+    env = cli_env(GROWTRAIN_FAULT="step_mid:18", GROWTRAIN_FAULT_RANK="2")  # in the 'split' stage, after its growth
     r = af_run(3, 1, recipe, killed, *interleaved, env=env, timeout=120)
     assert r.returncode != 0
     assert "[rank 0] error: rank 0 stopped: another rank died or stopped responding" in r.stderr and "]: Traceback" not in r.stderr
     r = af_run(3, 1, recipe, killed, *interleaved)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "resumed from step-00000012" in r.stdout
+    assert "resumed from step-00000015" in r.stdout
     assert losses(killed) == losses(run), "a resumed interleaved run repeats the uninterrupted run's losses"
 
 

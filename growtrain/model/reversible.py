@@ -22,6 +22,9 @@ frozen 4-bit bases (no gradient asked for) and blocks inserted by growth need no
   Streams stay fp32: the branches' outputs are cast to the stream dtype before they are added.
 - Dropout: the model has none, so no RNG state is saved. A block holding an active nn.Dropout is
   refused rather than silently given a recompute that draws a different mask.
+- The two halves, `forward_blocks` and `backward_blocks`, are also run by hand, outside this
+  autograd function: the AF layout's interleaved passes (growtrain/model/af_interleaved.py) split
+  each MoE block's G backward at its MoE call.
 - torch.compile: dynamo cannot trace this function's backward (it calls autograd.grad on modules),
   so `reversible_blocks` is marked `torch.compiler.disable`: a compiled model graph-breaks around the
   block stack, compiles the embedding and the head, and runs the stack eagerly.
