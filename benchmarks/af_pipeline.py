@@ -206,9 +206,6 @@ def main(argv=None) -> int:
         p, m = result[name]["predicted"], result[name]["measured"]
         print(f"{name:<12}{p['step_s'] * 1e3:>11.1f}ms{m['step_s'] * 1e3:>11.1f}ms{m['whole_step_s'] * 1e3:>10.1f}ms"
               f"{p['attention_wait_fraction']:>16.0%}{m['attention_wait_fraction']:>7.0%}{p['expert_idle_fraction']:>15.0%}{m['expert_idle_fraction']:>7.0%}")
-    best = result["sequential"]["planner_pipelined"]
-    print(f"{'planner':<12}{best['step_s'] * 1e3:>11.1f}ms{'-':>13}{'-':>12}{best['attention_wait_fraction']:>16.0%}{'-':>7}{best['expert_idle_fraction']:>15.0%}{'-':>7}"
-          "   (two micro-batches in flight, the transfers overlapping the expert compute too)")
     print(f"co-located expert parallelism: whole step {result['colocated_step_s'] * 1e3:.1f} ms")
     for name in schedules[1:]:
         print(f"{name} vs sequential, passes: measured {result[f'{name}_vs_sequential_passes']:.2f}x, predicted {result[f'{name}_vs_sequential_predicted']:.2f}x")

@@ -34,7 +34,8 @@ where every operator of the transition can, else it gathers the whole model. Und
 `af_schedule: pingpong` the attention ranks form two lanes (even, odd ranks), each with a group of
 its own holding every expert rank; an expert rank serves the lanes in turn (model/af.py); under
 `af_schedule: interleaved` each attention rank keeps two micro-batches in flight
-(model/af_interleaved.py) and the expert ranks serve the calls as they come.
+(model/af_interleaved.py) and the expert ranks serve the calls as they come, taking in the next
+while they compute and send back the current one (its results through a group of their own).
 
 Legend: W ranks.
 """
@@ -156,11 +157,13 @@ class Dist:
     """One process's view of the run's processes. `Dist()` is the single-process case."""
 
     def __init__(
-        self, rank: int = 0, size: int = 1, combine: str = "overlapped", attention: int | None = None, dense_group=None, lanes: list | None = None
+        self, rank: int = 0, size: int = 1, combine: str = "overlapped", attention: int | None = None, dense_group=None, lanes: list | None = None,
+        back=None,
     ):
         self.rank, self.size = rank, size
-        # layout: af: this rank's place, and the attention ranks' group (dense gradients, ZeRO-1)
-        self.af = AFGroup(rank, size, attention, combine=combine) if attention is not None else None
+        # layout: af: this rank's place, and the attention ranks' group (dense gradients, ZeRO-1);
+        # `back`: the group the MoE calls' results come back through (AFGroup.back), if their own
+        self.af = AFGroup(rank, size, attention, combine=combine, back=back) if attention is not None else None
         self.dense_group = dense_group
         # The groups this rank's MoE calls go through: the layout's, or under af_schedule:
         # pingpong its lane's (an attention rank) or every lane's, served in turn (an expert rank).
@@ -191,7 +194,7 @@ class Dist:
         # The launcher stops the survivors with SIGTERM when a rank dies: say so, not a bare kill.
         if threading_main():
             signal.signal(signal.SIGTERM, _raise_peer_failed)
-        attention = dense_group = lanes = None
+        attention = dense_group = lanes = back = None
         rank = dist.get_rank()
         if cfg.layout == "af":
             attention = cfg.attention_ranks
@@ -209,11 +212,13 @@ class Dist:
                     group = dist.new_group(ranks=members)
                     if rank in members:
                         lanes.append(AFGroup(members.index(rank), len(members), len(members) - (size - attention), group, cfg.combine))
-        d = cls(rank, dist.get_world_size(), cfg.combine, attention, dense_group, lanes)
+            if cfg.af_schedule == "interleaved":  # the expert ranks receive the next call while they send this one's (af.serve_calls)
+                back = dist.new_group(ranks=list(range(size)))
+        d = cls(rank, dist.get_world_size(), cfg.combine, attention, dense_group, lanes, back)
         d.interleaved = cfg.layout == "af" and cfg.af_schedule == "interleaved"
         d.timeout = datetime.timedelta(seconds=cfg.timeout_s)
         collective_guard.install_from_env(d.device)  # GROWTRAIN_CHECK_COLLECTIVES=1: NCCL's rules on any backend
-        for group in [dense_group] + [lane.group for lane in lanes or []]:
+        for group in [dense_group, back] + [lane.group for lane in lanes or []]:
             if group is not None:
                 collective_guard.register_group(group, d.device)
         return d

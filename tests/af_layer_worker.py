@@ -2,7 +2,8 @@
 (growtrain/model/af.py), the first A ranks attention ranks with their own tokens, the others
 expert ranks holding the routed experts, against the whole layers run on every attention rank's
 tokens at once. The expert ranks serve what the attention ranks' headers announce: a forward
-without gradients, then a forward with them through both layers, and the two backwards.
+without gradients, then a forward with them through both layers, and the two backwards; then a
+forward under float16 autocast (the expert ranks must follow the attention ranks' dtype).
 Rank 0 writes a JSON report to argv[1]; argv[2] is A, argv[3] the expert format (full or nf4);
 argv[4] "drift": the attention ranks call different layers first (they must all stop, saying so)."""
 
@@ -131,6 +132,19 @@ def main(out: str, attention: str, expert_format: str, mode: str = "") -> None:
         serve_calls(layers, serial, torch.device("cpu"))
     after = {f"{i}.{n}": p.grad for i, layer in enumerate(layers) for n, p in layer.named_parameters() if p.grad is not None}
     flags["serial_combine_same_grads"] = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+    # Under float16 autocast (not the device's default autocast dtype on the CPU, which is
+    # bfloat16): the expert ranks compute in the attention ranks' dtype, from the header, and the
+    # results travel in the bytes the attention ranks read.
+    if af.is_attention:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            y16, _ = layers[0](x_all[rank])
+            ref16, _ = refs[0](x_ref.detach())
+        end_calls(serial, torch.device("cpu"))
+        # measured 0 at 2 + 2; results computed in bfloat16 and read as float16 (a bare autocast): 1.6e3
+        flags["float16_autocast_followed"] = rel(y16.float(), ref16.float()[rows]) < 1e-2
+    else:
+        serve_calls(layers, serial, torch.device("cpu"))
 
     write_report(out, errors, flags, {"collective_checks": guard_on})
     dist.destroy_process_group()

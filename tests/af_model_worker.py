@@ -29,7 +29,11 @@ def main(out: str, attention: str, expert_format: str, precision: str, schedule:
     dist.init_process_group("gloo")
     guard_on = collective_guard.install_from_env(torch.device("cpu"))
     rank, W = dist.get_rank(), dist.get_world_size()
-    af = AFGroup(rank, W, int(attention))
+    # interleaved: the results come back through a group of their own, the expert ranks serving streamed
+    back = dist.new_group(ranks=list(range(W))) if schedule == "interleaved" else None
+    if back is not None:
+        collective_guard.register_group(back, torch.device("cpu"))
+    af = AFGroup(rank, W, int(attention), back=back)
     A = af.attention
     torch.manual_seed(0)
     moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=32, expert_format=expert_format, lora=ExpertLoRAConfig(r=4))

@@ -26,7 +26,7 @@ def test_moe_layers_split_over_attention_and_expert_ranks_match_the_whole_layers
     assert got["collective_checks"]
     assert got["flags"] == {
         "no_experts_here": True, "load_is_global": True, "router_untouched": True, "three_calls_served": True,
-        "serial_combine_same_bits": True, "serial_combine_same_grads": True,
+        "serial_combine_same_bits": True, "serial_combine_same_grads": True, "float16_autocast_followed": True,
     }
     # forward (with and without gradients), the inputs' gradients, both routers', every expert matrix's
     expected = {"y", "y_no_grad", "x_grad", "layer0.router.weight", "layer1.router.weight"}

@@ -51,11 +51,12 @@ recompute's backward; an evaluation makes the forward only. The expert ranks run
 - interleaved: two micro-batches of the step in flight on every attention rank, each pass in a
   thread of its own, one running at a time, handing over at each MoE call once its dispatch is
   posted (growtrain/model/af_interleaved.py, which writes down the schedule: forward, recompute
-  and backward, and its bubble). Per call the period is max(a, e + x): the expert ranks serve
-  one pass's call while the attention ranks compute the other's attention. The numbers are the
-  co-located run's (each call sees its own micro-batch, as there). The planner's AF model
-  (planning/disaggregation.py) takes max(a, e, x): the transfers overlapping the expert ranks'
-  compute as well, which this schedule does not do.
+  and backward, and its bubble). The expert ranks serve streamed (`_serve_streamed`): a thread
+  takes in the next call while the rank computes the current one and sends its results back
+  through a group of their own (AFGroup.back). Per call the period is max(a, e, x), the
+  planner's AF model (planning/disaggregation.py): the expert ranks compute one pass's call
+  while the attention ranks compute the other's attention and the transfers of both run. The
+  numbers are the co-located run's (each call sees its own micro-batch, as there).
 
 `clock` records each side's wait (the trainer logs af/attention_wait_fraction and
 af/expert_idle_fraction per step).
@@ -66,7 +67,9 @@ D d_model, E experts of the layer, L = E / F local experts, A attention ranks, F
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -90,6 +93,10 @@ class AFGroup:
     attention: int
     group: Any = field(default=None, compare=False)
     combine: CombineMode = "overlapped"
+    # The group the results and the slots' gradients come back through, where it is not `group`:
+    # under the interleaved schedule an expert rank receives the next call in `group`, on a
+    # thread of its own, while it computes and sends this one's (`serve_calls`).
+    back: Any = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.combine not in ("overlapped", "serial"):
@@ -99,6 +106,11 @@ class AFGroup:
 
     def __deepcopy__(self, memo) -> "AFGroup":
         return self  # a handle on the process group, shared by every copy of a model
+
+    @property
+    def returns(self):
+        """The group the expert ranks' results and the slots' gradients travel back through."""
+        return self.back if self.back is not None else self.group
 
     @property
     def expert_ranks(self) -> int:
@@ -122,11 +134,11 @@ class AFGroup:
 # -- the control header ------------------------------------------------------------------------
 #
 # Before each exchange, attention rank 0 broadcasts what it is to every rank: [kind, call id,
-# MoE layer, grad mode, slot dtype, autocast]. The expert ranks follow the headers, so they need
-# no copy of the attention ranks' schedule (forward, a forward without gradients, the
-# reversible backward's recompute, the backwards in whatever order autograd runs them); the other
-# attention ranks compare it with their own, so that ranks drifting apart fail at once, naming
-# the call, instead of exchanging the wrong tensors.
+# MoE layer, grad mode, slot dtype, autocast (0: off, else 1 + its dtype's index in _DTYPES)].
+# The expert ranks follow the headers, so they need no copy of the attention ranks' schedule
+# (forward, a forward without gradients, the reversible backward's recompute, the backwards in
+# whatever order autograd runs them); the other attention ranks compare it with their own, so
+# that ranks drifting apart fail at once, naming the call, instead of exchanging the wrong tensors.
 
 FORWARD, BACKWARD, END = 1, 2, 3
 _KINDS = {FORWARD: "forward", BACKWARD: "backward", END: "end"}
@@ -162,36 +174,50 @@ def _header(af: AFGroup, device: torch.device, values: tuple[int, ...] = (0,) * 
     return tuple(got.tolist())
 
 
+def _autocast_code(device: torch.device) -> int:
+    """This thread's autocast state for a header: 0 off, else 1 + the autocast dtype's index."""
+    if not torch.is_autocast_enabled(device.type):
+        return 0
+    return 1 + _DTYPES.index(torch.get_autocast_dtype(device.type))
+
+
+def _autocast(device: torch.device, code: int):
+    """The attention ranks' autocast state on an expert rank, from the header's code: the same
+    dtype (a bare torch.autocast would take the device's default, float16 on CUDA, and the results
+    would travel in other bytes than the attention ranks read)."""
+    return torch.autocast(device.type, dtype=_DTYPES[code - 1]) if code else contextlib.nullcontext()
+
+
 def _describe(h) -> str:
     kind, call, layer = h[0], h[1], h[2]
     return f"{_KINDS.get(kind, kind)} of call {call} (MoE layer {layer})" if kind != END else "the end of the calls"
 
 
 def _post_call(x_sorted_SD: torch.Tensor, af: AFGroup, send: list[int], out_dtype: torch.dtype) -> tuple[torch.Tensor, list]:
-    """An attention rank's side of one MoE call, up to the results: the slots dispatched and the
+    """An attention rank's side of one MoE call, up to the results: the slots' dispatch and the
     combine's receives posted. Returns the results' buffer [S, D] and the works to wait on."""
     nothing = [0] * af.size
     sent_0D = x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]))
-    dist.all_to_all_single(sent_0D, x_sorted_SD.contiguous(), nothing, send, group=af.group)  # dispatch
+    works = [dist.all_to_all_single(sent_0D, x_sorted_SD.contiguous(), nothing, send, group=af.group, async_op=True)]  # dispatch
     y_SD = x_sorted_SD.new_empty((sum(send), x_sorted_SD.shape[1]), dtype=out_dtype)
     if af.combine == "overlapped":
         # Every expert rank's rows, received as each is sent: its chunk of this rank's slots
         # lies contiguously in y_SD, in expert-rank order (the slots are sorted by expert).
-        ops = [dist.P2POp(dist.irecv, part, group=af.group, group_peer=src) for src, part in enumerate(y_SD.split(send)) if part.shape[0]]
-        return y_SD, dist.batch_isend_irecv(ops) if ops else []
+        ops = [dist.P2POp(dist.irecv, part, group=af.returns, group_peer=src) for src, part in enumerate(y_SD.split(send)) if part.shape[0]]
+        return y_SD, works + (dist.batch_isend_irecv(ops) if ops else [])
     empty_0D = x_sorted_SD.new_empty((0, x_sorted_SD.shape[1]), dtype=out_dtype)
-    return y_SD, [dist.all_to_all_single(y_SD, empty_0D, send, nothing, group=af.group, async_op=True)]
+    return y_SD, works + [dist.all_to_all_single(y_SD, empty_0D, send, nothing, group=af.returns, async_op=True)]
 
 
-def _post_backward(grad_y: torch.Tensor, af: AFGroup, send: list[int], call: int, x_dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+def _post_backward(grad_y: torch.Tensor, af: AFGroup, send: list[int], call: int, x_dtype: torch.dtype) -> tuple[torch.Tensor, list]:
     """An attention rank's side of one MoE call's backward, up to the slots' gradients: the
-    results' gradients sent, the slots' gradients' receive posted (the buffer and its work)."""
+    results' gradients sent, the slots' gradients' receive posted (the buffer and the works)."""
     _header(af, grad_y.device, (BACKWARD, call, 0, 0, 0, 0))
     nothing = [0] * af.size
-    dist.all_to_all_single(grad_y.new_empty((0, grad_y.shape[1])), grad_y.contiguous(), nothing, send, group=af.group)
+    sending = dist.all_to_all_single(grad_y.new_empty((0, grad_y.shape[1])), grad_y.contiguous(), nothing, send, group=af.group, async_op=True)
     grad_x = grad_y.new_empty((sum(send), grad_y.shape[1]), dtype=x_dtype)  # the slots' dtype, as the expert ranks send it
-    work = dist.all_to_all_single(grad_x, grad_x.new_empty((0, grad_y.shape[1])), send, nothing, group=af.group, async_op=True)
-    return grad_x, work
+    receiving = dist.all_to_all_single(grad_x, grad_x.new_empty((0, grad_y.shape[1])), send, nothing, group=af.returns, async_op=True)
+    return grad_x, [sending, receiving]
 
 
 class _AttentionSide(torch.autograd.Function):
@@ -209,8 +235,9 @@ class _AttentionSide(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         t0 = time.perf_counter()
-        grad_x, work = _post_backward(grad_y, ctx.af, ctx.send, ctx.call, ctx.x_dtype)
-        work.wait()
+        grad_x, works = _post_backward(grad_y, ctx.af, ctx.send, ctx.call, ctx.x_dtype)
+        for work in works:
+            work.wait()
         clock.wait_s += time.perf_counter() - t0
         return grad_x, None, None, None, None
 
@@ -252,11 +279,12 @@ class SplitCall:
         """The slots' gradients for the results' `grad_y`: sent to the expert ranks, the other pass
         running while they compute."""
         t0 = time.perf_counter()
-        grad_x, work = _post_backward(grad_y, self.af, self.send, self.call, self.x.dtype)
+        grad_x, works = _post_backward(grad_y, self.af, self.send, self.call, self.x.dtype)
         posted = time.perf_counter()
         in_flight.turns.switch()
         t1 = time.perf_counter()
-        work.wait()
+        for work in works:
+            work.wait()
         clock.wait_s += (posted - t0) + (time.perf_counter() - t1)
         return grad_x
 
@@ -287,9 +315,8 @@ def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup
     E = counts_E.numel()
     call = next(_ids)
     out_dtype = chunk_dtype(x_sorted_SD)
-    autocast = torch.is_autocast_enabled(x_sorted_SD.device.type)
     grad = torch.is_grad_enabled() and x_sorted_SD.requires_grad  # a backward will come
-    _header(af, x_sorted_SD.device, (FORWARD, call, layer, int(grad), _DTYPES.index(x_sorted_SD.dtype), int(autocast)))
+    _header(af, x_sorted_SD.device, (FORWARD, call, layer, int(grad), _DTYPES.index(x_sorted_SD.dtype), _autocast_code(x_sorted_SD.device)))
     counts_WE = exchange_counts(counts_E, af)
     send = [0] * W
     for f in range(af.expert_ranks):
@@ -325,29 +352,47 @@ class ExpertCall:
         torch.autograd.backward(self.out, torch.zeros_like(self.out))
 
 
-def serve(experts: nn.Module, backend: str, num_experts: int, d_model: int, af: AFGroup, dtype: torch.dtype, device: torch.device) -> ExpertCall:
+def _expert_chunks(
+    moe: nn.Module, x_recv_RD: torch.Tensor, counts_WE: torch.Tensor, recv: list[int], af: AFGroup, out_dtype: torch.dtype, sent: list
+) -> list[torch.Tensor]:
+    """An expert rank's compute of one call of MoE layer `moe`: each attention rank's chunk of the
+    received slots through this rank's experts, one grouped call per source with its offsets.
+    Under the overlapped combine each result leaves (isend) as soon as it is computed, while the
+    next computes; (work, buffer) pairs go to `sent`, the buffer to outlive its send. Returns the
+    results, one per attention rank."""
+    lo, hi = af.experts(moe.num_experts)
+    ys = []
+    for a, chunk in enumerate(x_recv_RD.split(recv[: af.attention])):
+        offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=chunk.device)
+        offsets_L1[1:] = torch.cumsum(counts_WE[a, lo:hi].to(chunk.device), 0)
+        ys.append(moe.experts(chunk, offsets_L1, moe.expert_backend).to(out_dtype))
+        if af.combine == "overlapped" and ys[-1].shape[0]:
+            buffer = ys[-1].detach().contiguous()
+            sent.append((dist.isend(buffer, group=af.returns, group_dst=a), buffer))
+    return ys
+
+
+def _receive_sizes(moe: nn.Module, af: AFGroup, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """On an expert rank, a forward call's counts exchange: every rank's counts [W, E] and the rows
+    this rank receives from each rank."""
+    lo, hi = af.experts(moe.num_experts)
+    counts_WE = exchange_counts(torch.zeros(moe.num_experts, dtype=torch.long, device=device), af)
+    return counts_WE, [int(counts_WE[a, lo:hi].sum()) for a in range(af.attention)] + [0] * af.expert_ranks
+
+
+def serve(moe: nn.Module, af: AFGroup, dtype: torch.dtype, device: torch.device) -> ExpertCall:
     """On an expert rank, after the call's header: this rank's side of one MoE call of the
-    attention ranks (the layer whose experts `experts` are, cut to this rank's range). Gradients
-    flow where grad mode is on, as on the attention ranks; `dtype`: the slots' dtype."""
-    W, A = af.size, af.attention
-    lo, hi = af.experts(num_experts)
-    counts_WE = exchange_counts(torch.zeros(num_experts, dtype=torch.long, device=device), af)
-    recv = [int(counts_WE[a, lo:hi].sum()) for a in range(A)] + [0] * af.expert_ranks
-    nothing = [0] * W
-    empty_0D = torch.empty((0, d_model), dtype=dtype, device=device, requires_grad=torch.is_grad_enabled())
+    attention ranks (MoE layer `moe`, cut to this rank's experts), with autograd through both
+    transfers. Gradients flow where grad mode is on, as on the attention ranks; `dtype`: the
+    slots' dtype."""
+    nothing = [0] * af.size
+    counts_WE, recv = _receive_sizes(moe, af, device)
+    empty_0D = torch.empty((0, moe.router.weight.shape[1]), dtype=dtype, device=device, requires_grad=torch.is_grad_enabled())
     x_recv_RD = all_to_all(empty_0D, recv, nothing, af.group)
-    out_dtype = chunk_dtype(x_recv_RD)
-    overlapped = af.combine == "overlapped"
-    ys, works, sent = [], [], []  # an in-flight isend's buffer must outlive it: `sent`
-    for a, chunk in enumerate(x_recv_RD.split(recv[:A])):
-        offsets_L1 = torch.zeros(hi - lo + 1, dtype=torch.long, device=device)
-        offsets_L1[1:] = torch.cumsum(counts_WE[a, lo:hi].to(device), 0)
-        ys.append(experts(chunk, offsets_L1, backend).to(out_dtype))
-        if overlapped and ys[-1].shape[0]:  # on its way while the next chunk computes
-            sent.append(ys[-1].detach().contiguous())
-            works.append(dist.isend(sent[-1], group=af.group, group_dst=a))
-    if overlapped:
-        out_0D = _SentBack.apply({"works": works, "recv": recv, "group": af.group, "size": W}, *ys)
+    sent: list = []
+    ys = _expert_chunks(moe, x_recv_RD, counts_WE, recv, af, chunk_dtype(x_recv_RD), sent)
+    if af.combine == "overlapped":
+        out_0D = _SentBack.apply({"works": [w for w, _ in sent], "recv": recv, "group": af.group, "size": af.size}, *ys)
     else:
         out_0D = all_to_all(torch.cat(ys), nothing, recv, af.group)
     return ExpertCall(out_0D, counts_WE.sum(0))
@@ -383,8 +428,11 @@ def serve_calls(moe_layers: list[nn.Module], lanes: AFGroup | list[AFGroup], dev
     attention ranks and every expert rank), served in turn: the k-th event (a call's forward or
     backward, or the end) of lane 0, then lane 1's k-th, and so on. Every lane runs the same
     model on the same number of rows, so every lane has the same events; lanes that do not (one
-    ends while another calls) are an error."""
+    ends while another calls) are an error. A group whose results go back through a group of
+    their own (AFGroup.back, the interleaved schedule) is served streamed (`_serve_streamed`)."""
     lanes = lanes if isinstance(lanes, list) else [lanes]
+    if len(lanes) == 1 and lanes[0].back is not None:
+        return _serve_streamed(moe_layers, lanes[0], device)
     pending: dict[tuple[int, int], ExpertCall] = {}
     served = 0
     while True:
@@ -401,9 +449,8 @@ def serve_calls(moe_layers: list[nn.Module], lanes: AFGroup | list[AFGroup], dev
                     raise RuntimeError(f"AF layout: backward of call {call}, which was not served with gradients")
                 pending.pop((lane, call)).backward()
                 continue
-            moe = moe_layers[layer]
-            with torch.set_grad_enabled(bool(grad)), torch.autocast(device.type, enabled=bool(autocast)):
-                done = serve(moe.experts, moe.expert_backend, moe.num_experts, moe.router.weight.shape[1], af, _DTYPES[dtype], device)
+            with torch.set_grad_enabled(bool(grad)), _autocast(device, autocast):
+                done = serve(moe_layers[layer], af, _DTYPES[dtype], device)
             served += 1
             if grad:
                 pending[(lane, call)] = done
@@ -413,6 +460,109 @@ def serve_calls(moe_layers: list[nn.Module], lanes: AFGroup | list[AFGroup], dev
             if pending:
                 raise RuntimeError(f"AF layout: the attention ranks ended the step with the backward of calls {sorted(c for _, c in pending)} not run")
             return served
+
+
+# -- streamed serving (af_schedule: interleaved) -----------------------------------------------
+#
+# Two calls are in flight from the attention ranks, so an expert rank can take in the next while
+# it computes this one: a receiving thread takes every header and every row that comes to the
+# expert rank (the layout's group: counts, slots, the results' gradients) into an inbox, and the
+# rank's own thread computes each call and sends its results and the slots' gradients back
+# asynchronously through a group of their own (AFGroup.back), so that neither direction waits on
+# the other or on the compute. Per call the expert ranks then take max(e, x) instead of e + x.
+# Each thread's collectives are in a group of its own, in header order on every rank. The
+# backward runs through a leaf (the received slots), not through the transfers: the gradients of
+# the results come from the inbox, the slots' gradients leave by an all_to_all in `back`.
+
+
+@dataclass
+class _Received:
+    header: tuple[int, ...]
+    rows: torch.Tensor | None = None  # the call's slots (forward) or its results' gradients (backward)
+    counts_WE: torch.Tensor | None = None
+    recv: list[int] = field(default_factory=list)
+
+
+def _receive(moe_layers: list[nn.Module], af: AFGroup, device: torch.device, inbox: queue.Queue) -> None:
+    """An expert rank's receiving thread: every call's header and rows, into `inbox`, until the
+    end of the calls (or a failure, handed over in the inbox)."""
+    try:
+        if device.type == "cuda":  # a new thread starts on device 0
+            torch.cuda.set_device(device)
+        nothing = [0] * af.size
+        backward_of: dict[int, tuple[list[int], torch.dtype, int]] = {}  # call -> its rows, its results' dtype, d_model
+        while True:
+            h = _header(af, device)
+            kind, call, layer, grad, dtype, autocast = h
+            if kind == END:
+                inbox.put(_Received(h))
+                return
+            counts_WE = None
+            if kind == BACKWARD:
+                if call not in backward_of:
+                    raise RuntimeError(f"AF layout: backward of call {call}, which was not served with gradients")
+                recv, rows_dtype, d_model = backward_of.pop(call)
+            else:
+                counts_WE, recv = _receive_sizes(moe_layers[layer], af, device)
+                rows_dtype, d_model = _DTYPES[dtype], moe_layers[layer].router.weight.shape[1]
+                if grad:  # the results' gradients come in the results' dtype (chunk_dtype's)
+                    backward_of[call] = (recv, _DTYPES[autocast - 1] if autocast else rows_dtype, d_model)
+            rows = torch.empty((sum(recv), d_model), dtype=rows_dtype, device=device)
+            dist.all_to_all_single(rows, rows.new_empty((0, rows.shape[1])), recv, nothing, group=af.group)
+            inbox.put(_Received(h, rows, counts_WE, recv))
+    except BaseException as e:  # noqa: BLE001 - raised by the serving thread
+        inbox.put(e)
+
+
+def _serve_streamed(moe_layers: list[nn.Module], af: AFGroup, device: torch.device) -> int:
+    """serve_calls for a group whose results go back through `af.back` (the section above)."""
+    inbox: queue.Queue = queue.Queue()
+    receiver = threading.Thread(target=_receive, args=(moe_layers, af, device, inbox), name="growtrain-af-receive", daemon=True)
+    receiver.start()
+    nothing = [0] * af.size
+    pending: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # call -> its slots (a leaf) and results
+    sent: list = []  # (work, buffer) of the sends in flight
+    served = 0
+    while True:
+        t0 = time.perf_counter()
+        item = inbox.get()
+        clock.wait_s += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            raise item
+        kind, call, layer, grad, dtype, autocast = item.header
+        if kind == END:
+            break
+        if kind == BACKWARD:
+            x_RD, ys = pending.pop(call)
+            torch.autograd.backward(ys, list(item.rows.split([y.shape[0] for y in ys])))
+            grad_x = x_RD.grad if x_RD.grad is not None else torch.zeros_like(x_RD)
+            work = dist.all_to_all_single(grad_x.new_empty((0, grad_x.shape[1])), grad_x, nothing, item.recv, group=af.returns, async_op=True)
+            sent.append((work, grad_x))
+        else:
+            with torch.set_grad_enabled(bool(grad)), _autocast(device, autocast):
+                x_RD = item.rows.requires_grad_(bool(grad))
+                out_dtype = chunk_dtype(x_RD)
+                ys = _expert_chunks(moe_layers[layer], x_RD, item.counts_WE, item.recv, af, out_dtype, sent)
+            if af.combine == "serial":
+                results = torch.cat(ys).detach()
+                work = dist.all_to_all_single(results.new_empty((0, results.shape[1])), results, nothing, item.recv, group=af.returns, async_op=True)
+                sent.append((work, results))
+            served += 1
+            if grad:
+                pending[call] = (x_RD, ys)
+        in_flight_sends = []
+        for work, buffer in sent:
+            if work.is_completed():
+                work.wait()  # returns at once, or raises a failed send's error
+            else:
+                in_flight_sends.append((work, buffer))
+        sent = in_flight_sends
+    for work, _ in sent:
+        work.wait()
+    receiver.join()
+    if pending:
+        raise RuntimeError(f"AF layout: the attention ranks ended the step with the backward of calls {sorted(pending)} not run")
+    return served
 
 
 def shard_af(moe: nn.Module, af: AFGroup, layer: int, cut: bool = True) -> nn.Module:

@@ -1,13 +1,16 @@
 """Two micro-batches in flight on every attention rank of an AF layout (`distributed.af_schedule:
 interleaved`; the planner's own AF model, max(a, e, x)): while the expert ranks compute one
-micro-batch's MoE call, the attention rank computes the other's attention up to its next call.
+micro-batch's MoE call, the attention rank computes the other's attention up to its next call,
+and the transfers of both run.
 
 Each micro-batch's pass (`reversible_pass`) runs in a thread of its own, and `Turns` lets one
 thread run at a time: a MoE call posts its dispatch and the combine's receives, hands over at
 `switch()` and waits for its results when its turn comes back (growtrain/model/af.py:
 `_interleaved_call`). The hand-overs are the same on every attention rank (the passes are
 the same program on as many rows), so the MoE calls reach the expert ranks in one order, which
-they follow by the headers as under the sequential schedule (`serve_calls`, unchanged).
+they follow by the headers as under the sequential schedule; they serve them streamed
+(af._serve_streamed: the next call taken in by a thread of their own while they compute the
+current one, the results sent back asynchronously through a group of their own).
 
 The reversible stack is run by hand here (reversible.forward_blocks / backward_blocks), not
 through its autograd function, so that no hand-over happens inside the autograd engine: on CUDA
@@ -21,11 +24,10 @@ the whole G backward (fp32 rounding apart: the norm's backward runs once per par
 
 Per MoE block a pass makes three calls (forward, recompute, backward), each with one hand-over.
 With a the attention ranks' compute between calls, e the expert ranks' compute of one call and
-x its transfers, the period of two calls (one per pass) is 2·max(a, e + x): the expert ranks idle
-max(0, a - e - x) per call, the attention ranks wait max(0, e + x - a). Fill: a pass's first call
-waits for nothing of the other; drain: its last call's results have nothing left to overlap
-with. The transfers of a call do not overlap the expert ranks' compute of the next (one thread
-serves them there), which the planner's max(a, e, x) assumes; the step is otherwise its model.
+x its transfers (each way, running while both sides compute), the period of two calls (one per
+pass) is 2·max(a, e, x), the planner's AF model: the expert ranks idle max(0, max(a, x) - e) per
+call, the attention ranks wait max(0, max(e, x) - a). Fill: a pass's first call waits for nothing
+of the other; drain: its last call's results have nothing left to overlap with.
 
 Micro-batches go in pairs (the stage's grad_accum of them, so the gradients and the balance
 loss are the co-located run's; an odd last one runs alone). Gradients accumulate into .grad in

@@ -7,10 +7,9 @@ expert side, tx the transfers), per schedule (growtrain/model/af.py writes the s
 - sequential: step ta + te + tx; the attention ranks wait te + tx of it, the expert ranks idle ta;
 - pingpong: step max(ta + (te + tx) / 2, te + tx) (two lanes, the expert ranks serving one while
   the other computes);
-- interleaved: step max(ta, te + tx) (two micro-batches in flight on every attention rank, the
-  expert ranks' transfers in line with their compute: model/af_interleaved.py);
-- the planner's own (af_search): max(ta, te, tx), two micro-batches in flight on every rank and
-  the transfers overlapping the expert compute too.
+- interleaved: step max(ta, te, tx) (two micro-batches in flight on every attention rank, the
+  expert ranks taking in the next call while they compute one: model/af_interleaved.py), the
+  planner's own AF model (af_search).
 The measured side covers the forward and backward passes (af/passes_s; the optimizer step and
 the gradient reduction are outside them), the predicted side the planner's whole step.
 """
@@ -48,10 +47,8 @@ def predict(split: AfSplit, schedule: str) -> ScheduleTimes:
         step = ta + te + tx
     elif schedule == "pingpong":
         step = max(ta + (te + tx) / 2, te + tx)
-    elif schedule == "interleaved":
-        step = max(ta, te + tx)
-    elif schedule == "planner":
-        step = split.step_time_s
+    elif schedule in ("interleaved", "planner"):
+        step = split.step_time_s  # max(ta, te, tx)
     else:
         raise ValueError(f"unknown AF schedule {schedule!r}")
     return ScheduleTimes(step, max(0.0, 1 - ta / step), max(0.0, 1 - te / step), ta, te)

@@ -95,7 +95,8 @@ def af_search(cfg, count: ModelCount, acts: Activations, stage, hw: Hardware, pr
     router, shared expert, embeddings, head; data parallel among themselves, ZeRO-1) and G - a
     expert ranks (the routed experts, sharded over them). Micro-batches are pipelined between the
     groups (two in flight; the pipeline's fill and drain are ignored), so a step takes the slowest
-    of: the attention side, the expert side and the transfers between them. Each side is T = max(FLOPs / (gpus x peak), bytes / HBM
+    of: the attention side, the expert side and the transfers between them (the trainer's
+    `distributed.af_schedule: interleaved`, model/af_interleaved.py). Each side is T = max(FLOPs / (gpus x peak), bytes / HBM
     bandwidth) with bytes per GPU. Same tokens per step as the co-located layout."""
     G = hw.gpus
     if cfg.moe is None or not cfg.moe_layers or G < 2:

@@ -112,7 +112,7 @@ def format_plan(plan: Plan) -> str:
     else:
         out.append(
             f"attention/expert disaggregation, stage '{af.stage}' ({af.gpus} GPUs, {af.tokens_per_step:,} tokens/step; "
-            "each side max(FLOPs/(gpus x peak), bytes/HBM), micro-batches pipelined)"
+            "each side max(FLOPs/(gpus x peak), bytes/HBM), two micro-batches in flight as af_schedule: interleaved runs them)"
         )
         out.append(f"{'attn':>5}{'expert':>7}{'attention':>11}{'experts':>10}{'transfer':>10}{'step':>10}{'attn GB':>9}{'exp GB':>8}  fits")
         for sp in af.splits:
