@@ -39,7 +39,7 @@ from growtrain.kernels.backend import triton_route
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.model.af import clock as af_clock, end_calls, serve_calls
-from growtrain.model.af_interleaved import interleaved_passes
+from growtrain.model.af_interleaved import in_pairs, interleaved_passes
 from growtrain.model.expert_parallel import use_group
 from growtrain.optim import to_device
 from growtrain.optim_registry import build_optimizer
@@ -88,11 +88,22 @@ def forward_loss(model: GrowLM, inputs_BT, targets_BT, precision: str):
 
 
 @torch.no_grad()
-def evaluate(model: GrowLM, batches, precision: str) -> float:
+def evaluate(model: GrowLM, batches, precision: str, pairs_on: torch.device | None = None) -> float:
+    """The mean loss over `batches`. `pairs_on`: an AF attention rank's device under af_schedule:
+    interleaved, where the batches go two at a time, in flight together (model/af_interleaved.py)."""
+
+    def loss(x, y) -> torch.Tensor:
+        with torch.no_grad():  # grad mode is per thread: in_pairs runs this in threads of its own
+            return forward_loss(model, x, y, precision)[0].double()
+
     model.eval()
-    losses = torch.stack([forward_loss(model, x, y, precision)[0].double() for x, y in batches]).tolist()  # one host sync
+    if pairs_on is None:
+        losses = [loss(x, y) for x, y in batches]
+    else:
+        losses = in_pairs([lambda x=x, y=y: loss(x, y) for x, y in batches], pairs_on)
     model.train()
-    return sum(losses) / len(losses)
+    values = torch.stack(losses).tolist()  # one host sync
+    return sum(values) / len(values)
 
 
 def seed_model_config(recipe: Recipe, corpus: Corpus) -> ModelConfig:
@@ -749,11 +760,12 @@ class Run:
         maybe_fault("after_transition")
 
     def _evaluate(self, evals, precision: str) -> float:
-        """This rank's eval loss; an AF expert rank serves the attention ranks' calls (and counts 0)."""
+        """This rank's eval loss; an AF expert rank serves the attention ranks' calls (and counts 0),
+        which under af_schedule: interleaved make two batches at a time."""
         if self.dist.is_expert_side:
             serve_calls(self.model.moe_layers, self.dist.af_lanes, self.device)
             return 0.0
-        loss = evaluate(self.model, evals, precision)
+        loss = evaluate(self.model, evals, precision, self.device if self.dist.interleaved else None)
         if self.dist.af is not None:
             end_calls(self.dist.af_lanes[0], self.device)
         return loss

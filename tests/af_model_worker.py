@@ -1,9 +1,9 @@
 """Run by torchrun from tests/test_af.py: a whole reversible model (dense block, two MoE blocks) in
 an attention/expert layout, the first A ranks attention ranks with their rows of the batch, the
 others expert ranks that only follow the attention ranks' headers (growtrain/model/af.py
-serve_calls): an evaluation forward without gradients, then two micro-batches of training
-forward and backward (the reversible backward recomputes each block, MoE calls included), against
-one process running the whole batch. Rank 0 writes a JSON report to argv[1]; argv[2] is A,
+serve_calls): an evaluation of two micro-batches (forwards without gradients), then two
+micro-batches of training forward and backward (the reversible backward recomputes each block,
+MoE calls included), against one process running the whole batch. Rank 0 writes a JSON report to argv[1]; argv[2] is A,
 argv[3] the expert format (full or nf4), argv[4] the precision (fp32 or bf16), argv[5] the
 attention ranks' schedule of the two micro-batches: sequential (one after the other) or
 interleaved (both in flight, growtrain/model/af_interleaved.py)."""
@@ -22,7 +22,20 @@ from growtrain.model import GrowLM
 from growtrain.model.af import AFGroup, end_calls, serve_calls, shard_af_model
 from growtrain.model.af_interleaved import Turns, reversible_pass
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
-from growtrain.train import forward_loss
+from growtrain.train import evaluate, forward_loss
+
+
+def count_handovers():
+    """From now on, count the hand-overs of every Turns made: returns the count so far."""
+    made = []
+    init = Turns.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    Turns.__init__ = recording
+    return lambda: sum(t.handovers for t in made)
 
 
 def main(out: str, attention: str, expert_format: str, precision: str, schedule: str = "sequential") -> None:
@@ -53,8 +66,7 @@ def main(out: str, attention: str, expert_format: str, precision: str, schedule:
 
     # One process, the whole batch: the mean over micro-batches of the loss over all rows.
     ref_losses = []
-    with torch.no_grad():
-        ref_eval = forward_loss(reference, *micro(0, slice(None)), precision)[0].item()
+    ref_eval = evaluate(reference, [micro(m, slice(None)) for m in range(M)], precision)
     for m in range(M):
         ce, aux, _ = forward_loss(reference, *micro(m, slice(None)), precision)
         ((ce + aux) / M).backward()
@@ -72,8 +84,12 @@ def main(out: str, attention: str, expert_format: str, precision: str, schedule:
 
     if af.is_attention:
         rows = slice(rank * B, (rank + 1) * B)
-        with torch.no_grad():
-            ev = torch.tensor([forward_loss(model, *micro(0, rows), precision)[0].item()], dtype=torch.float64)
+        # an evaluation of the M micro-batches (interleaved: in flight together, as the trainer's)
+        handovers = count_handovers()
+        pairs_on = torch.device("cpu") if schedule == "interleaved" else None
+        ev = torch.tensor([evaluate(model, [micro(m, rows) for m in range(M)], precision, pairs_on)], dtype=torch.float64)
+        if schedule == "interleaved":  # each MoE call of each evaluation pass handed over to the other
+            flags["eval_handed_over"] = handovers() == M * len(cfg.moe_layers)
         end_calls(af, torch.device("cpu"))
         losses = torch.zeros(M, dtype=torch.float64)
         if schedule == "interleaved":
@@ -91,7 +107,7 @@ def main(out: str, attention: str, expert_format: str, precision: str, schedule:
         end_calls(af, torch.device("cpu"))
     else:
         ev, losses = torch.zeros(1, dtype=torch.float64), torch.zeros(M, dtype=torch.float64)
-        flags["eval_calls"] = serve_calls(model.moe_layers, af, torch.device("cpu")) == len(cfg.moe_layers)
+        flags["eval_calls"] = serve_calls(model.moe_layers, af, torch.device("cpu")) == M * len(cfg.moe_layers)
         # Two micro-batches, each: the no-gradient forward, then every MoE block's recompute.
         flags["train_calls"] = serve_calls(model.moe_layers, af, torch.device("cpu")) == 2 * M * len(cfg.moe_layers)
     # The attention ranks' losses, each over its rows: their mean is the whole batch's.

@@ -61,7 +61,7 @@ def test_a_reversible_model_in_an_af_layout_trains_as_one_process(tmp_path, worl
     r = torchrun(world, "tests/af_model_worker.py", report, attention, fmt, precision, schedule, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     got = json.loads(report.read_text())
-    flags = {"eval_calls": True, "train_calls": True} | ({"handed_over": True} if schedule == "interleaved" else {})
+    flags = {"eval_calls": True, "train_calls": True} | ({"handed_over": True, "eval_handed_over": True} if schedule == "interleaved" else {})
     assert got["collective_checks"] and got["flags"] == flags
     errors = got["rel_err"]
     assert sum(".experts." in k for k in errors) == got["expert_tensors"] > 0  # every expert tensor compared

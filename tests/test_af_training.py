@@ -191,15 +191,16 @@ def test_the_ping_pong_schedule_trains_as_one_process_where_the_balance_loss_is_
 
 def test_the_interleaved_schedule_trains_as_one_process_and_a_killed_run_resumes_bit_for_bit(tmp_path):
     """Two micro-batches in flight on the attention rank of 1 + 2 (af_schedule: interleaved): the
-    step's two micro-batches pass their MoE calls to each other, and the losses are one
-    process's, the balance loss included (each call sees its own micro-batch's load, as in one
-    process). An expert rank killed mid-run stops the attention rank (its passes run in threads)
+    step's two micro-batches pass their MoE calls to each other (as an evaluation's batches do),
+    and the losses and eval losses are one process's, the balance loss included (each call sees
+    its own micro-batch's load, as in one process). An expert rank killed mid-run stops the attention rank (its passes run in threads)
     with the message; the resume repeats the uninterrupted losses bit for bit."""
     import copy
 
     raw = copy.deepcopy(EP_RECIPE)
     for stage in raw["stages"]:
         stage["batch_size"], stage["grad_accum"] = 2, 2
+    raw["train"] = {**raw["train"], "eval_batches": 3}  # evaluated in pairs: one pair in flight, one batch alone
     recipe, one, _ = train_recipe(raw, tmp_path, "accum2")
     interleaved = ("--set", "distributed.af_schedule=interleaved")
     run = tmp_path / "interleaved"

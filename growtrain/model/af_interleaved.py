@@ -29,6 +29,8 @@ pass) is 2·max(a, e, x), the planner's AF model: the expert ranks idle max(0, m
 call, the attention ranks wait max(0, max(e, x) - a). Fill: a pass's first call waits for nothing
 of the other; drain: its last call's results have nothing left to overlap with.
 
+An evaluation's batches go in pairs too (`in_pairs`: forwards only, one call per MoE block).
+
 Micro-batches go in pairs (the stage's grad_accum of them, so the gradients and the balance
 loss are the co-located run's; an odd last one runs alone). Gradients accumulate into .grad in
 the order the passes reach them, the same on every run: a resume repeats the losses bit for bit.
@@ -179,6 +181,15 @@ def reversible_pass(model: nn.Module, inputs_BT: torch.Tensor, targets_BT: torch
                 p.grad = g if p.grad is None else p.grad.add_(g)
     torch.autograd.backward([x1, x2], [dx1, dx2])  # the embedding
     return ce.detach(), out.aux_loss.detach(), stats
+
+
+def in_pairs(fns: list[Callable[[], Any]], device: torch.device) -> list:
+    """Each of `fns` (forward passes: an evaluation's batches), two at a time in flight together,
+    handing over at their MoE calls as the training passes do: their results, in order."""
+    results: list = []
+    for first in range(0, len(fns), 2):
+        results += Turns(device).run(fns[first : first + 2])
+    return results
 
 
 def interleaved_passes(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str, accum: int, device: torch.device) -> list:
