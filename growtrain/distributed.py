@@ -117,8 +117,9 @@ def interleaved_problems(recipe, shapes) -> list[str]:
 
 def resolve_attention_ranks(recipe, shapes, world_size: int):
     """`recipe` with distributed.attention_ranks: auto replaced by the planner's choice for
-    `world_size` processes (the fastest split that fits on the distributed.hardware preset, among
-    those the recipe divides over: world_size_problems), and a line saying so; unchanged (and
+    `world_size` processes (the fastest split for the recipe's af_schedule that fits on the
+    distributed.hardware preset, among those the recipe divides over: world_size_problems), and a
+    line saying so; unchanged (and
     None) where there is nothing to resolve. RecipeError where no split works."""
     from dataclasses import replace
 
@@ -126,6 +127,7 @@ def resolve_attention_ranks(recipe, shapes, world_size: int):
     if cfg.layout != "af" or cfg.attention_ranks != "auto" or world_size < 2:
         return recipe, None
     from growtrain.planning import PlanError, get_hardware, plan_recipe
+    from growtrain.planning.af_measured import predict
 
     try:
         plan = plan_recipe(recipe, get_hardware(cfg.hardware, gpus_per_node=world_size, nodes=1))
@@ -134,13 +136,15 @@ def resolve_attention_ranks(recipe, shapes, world_size: int):
     if not plan.af.applicable:
         raise RecipeError([f"distributed.attention_ranks: auto: no AF split to choose ({plan.af.reason}); give a number"])
     tried = []
-    for split in sorted(plan.af.splits, key=lambda s: (not s.fits, s.step_time_s)):
+    step = {split.attention_gpus: predict(split, cfg.af_schedule).step_s for split in plan.af.splits}
+    for split in sorted(plan.af.splits, key=lambda s: (not s.fits, step[s.attention_gpus])):
         chosen = replace(recipe, distributed=replace(cfg, attention_ranks=split.attention_gpus))
         problems = world_size_problems(chosen, shapes, world_size)
         if not problems:
             return chosen, (
                 f"distributed.attention_ranks: auto -> {split.attention_gpus} (the planner's {'fastest' if not tried else 'fastest workable'} split on "
-                f"{world_size} x {cfg.hardware}, stage '{plan.af.stage}': {split.step_time_s:.3g} s per step{'' if split.fits else ', over capacity'})"
+                f"{world_size} x {cfg.hardware}, stage '{plan.af.stage}', {cfg.af_schedule} schedule: {step[split.attention_gpus]:.3g} s per step"
+                f"{'' if split.fits else ', over capacity'}; co-located expert parallelism: {plan.af.colocated_step_time_s:.3g} s)"
             )
         tried.append(f"{split.attention_gpus} attention ranks: {problems[0]}")
     raise RecipeError(["distributed.attention_ranks: auto: no split of the ranks works for this recipe"] + tried)
