@@ -206,7 +206,8 @@ class DistributedConfig:
             "the other lane computes its attention; the balance loss then takes each lane's load. interleaved: two "
             "micro-batches in flight on every attention rank (a step's grad_accum micro-batches in pairs: grad_accum 2+ "
             "in every MoE stage, model.reversible on), one computing its attention while the expert ranks serve the "
-            "other's call; the co-located run's numbers (README: AF mode)."
+            "other's call and take in the next (the transfers overlapping both sides' compute: the planner's AF model); "
+            "the co-located run's numbers (README: AF mode)."
         },
     )
 
