@@ -119,8 +119,8 @@ def resolve_attention_ranks(recipe, shapes, world_size: int):
     """`recipe` with distributed.attention_ranks: auto replaced by the planner's choice for
     `world_size` processes (the fastest split for the recipe's af_schedule that fits on the
     distributed.hardware preset, among those the recipe divides over: world_size_problems), and a
-    line saying so; unchanged (and
-    None) where there is nothing to resolve. RecipeError where no split works."""
+    line saying so; unchanged (and None) where there is nothing to resolve. RecipeError where no
+    split works."""
     from dataclasses import replace
 
     cfg = recipe.distributed

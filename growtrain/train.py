@@ -87,13 +87,12 @@ def forward_loss(model: GrowLM, inputs_BT, targets_BT, precision: str):
     return ce, out.aux_loss.float(), out.moe_stats
 
 
-@torch.no_grad()
 def evaluate(model: GrowLM, batches, precision: str, pairs_on: torch.device | None = None) -> float:
     """The mean loss over `batches`. `pairs_on`: an AF attention rank's device under af_schedule:
     interleaved, where the batches go two at a time, in flight together (model/af_interleaved.py)."""
 
     def loss(x, y) -> torch.Tensor:
-        with torch.no_grad():  # grad mode is per thread: in_pairs runs this in threads of its own
+        with torch.no_grad():  # here, not around evaluate: grad mode is per thread, and in_pairs runs threads
             return forward_loss(model, x, y, precision)[0].double()
 
     model.eval()

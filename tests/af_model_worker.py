@@ -3,10 +3,10 @@ an attention/expert layout, the first A ranks attention ranks with their rows of
 others expert ranks that only follow the attention ranks' headers (growtrain/model/af.py
 serve_calls): an evaluation of two micro-batches (forwards without gradients), then two
 micro-batches of training forward and backward (the reversible backward recomputes each block,
-MoE calls included), against one process running the whole batch. Rank 0 writes a JSON report to argv[1]; argv[2] is A,
-argv[3] the expert format (full or nf4), argv[4] the precision (fp32 or bf16), argv[5] the
-attention ranks' schedule of the two micro-batches: sequential (one after the other) or
-interleaved (both in flight, growtrain/model/af_interleaved.py)."""
+MoE calls included), against one process running the whole batch. Rank 0 writes a JSON report
+to argv[1]; argv[2] is A, argv[3] the expert format (full or nf4), argv[4] the precision (fp32 or
+bf16), argv[5] the attention ranks' schedule of the micro-batches: sequential (one after the
+other) or interleaved (two in flight, growtrain/model/af_interleaved.py)."""
 
 from __future__ import annotations
 

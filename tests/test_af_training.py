@@ -193,8 +193,9 @@ def test_the_interleaved_schedule_trains_as_one_process_and_a_killed_run_resumes
     """Two micro-batches in flight on the attention rank of 1 + 2 (af_schedule: interleaved): the
     step's two micro-batches pass their MoE calls to each other (as an evaluation's batches do),
     and the losses and eval losses are one process's, the balance loss included (each call sees
-    its own micro-batch's load, as in one process). An expert rank killed mid-run stops the attention rank (its passes run in threads)
-    with the message; the resume repeats the uninterrupted losses bit for bit."""
+    its own micro-batch's load, as in one process). An expert rank killed mid-run stops the
+    attention rank (its passes run in threads) with the message; the resume repeats the
+    uninterrupted losses bit for bit."""
     import copy
 
     raw = copy.deepcopy(EP_RECIPE)
