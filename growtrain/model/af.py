@@ -151,8 +151,8 @@ class AFClock:
     """Host seconds this process spent waiting on the other side since the last reset: on an
     attention rank inside its MoE calls (the transfers and the expert ranks' compute), on an
     expert rank for the next call (its header; served streamed, the receiving thread's next item:
-    nothing to compute). Under NCCL the collectives run
-    asynchronously, so on a GPU these are launch-side times, not the device's."""
+    nothing to compute). Under NCCL the collectives run asynchronously, so on a GPU these are
+    launch-side times, not the device's."""
 
     wait_s: float = 0.0
 
