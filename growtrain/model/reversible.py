@@ -27,16 +27,13 @@ frozen 4-bit bases (no gradient asked for) and blocks inserted by growth need no
   each MoE block's G backward at its MoE call.
 - torch.compile: dynamo cannot trace this function's backward (it calls autograd.grad on modules),
   so `reversible_blocks` is marked `torch.compiler.disable`: a compiled model graph-breaks around the
-  block stack, compiles the embedding and the head, and runs the stack eagerly. The mark is made at
-  the first call (`_eager_when_compiled`): making it imports torch._dynamo, ~2 s that the commands
-  which never run the model (`validate`: 4.3 s -> 2.1 s) would otherwise pay at start-up.
+  block stack, compiles the embedding and the head, and runs the stack eagerly.
 
 Legend: B batch, T sequence (or tokens), D d_model, K top-k.
 """
 
 from __future__ import annotations
 
-import functools
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
@@ -227,20 +224,7 @@ def stack_plan(blocks: nn.ModuleList) -> tuple[list[nn.Parameter], list[tuple[li
     return params, plan
 
 
-def _eager_when_compiled(fn):
-    """`torch.compiler.disable(fn)`, made at the first call instead of at import."""
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        disabled = call.__dict__.get("_disabled")
-        if disabled is None:
-            disabled = call._disabled = torch.compiler.disable(fn)
-        return disabled(*args, **kwargs)
-
-    return call
-
-
-@_eager_when_compiled
+@torch.compiler.disable
 def reversible_blocks(
     blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats]]:
