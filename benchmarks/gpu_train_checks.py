@@ -24,7 +24,9 @@ CPU one at a time.
 `--device cpu` (what CI runs, so the script cannot rot without a GPU): the same checks on the CPU
 with the reference backend, on a shorter recipe (STEPS_CPU); the device run would be the CPU
 reference run itself, so it is run once and part 3 has no device-vs-CPU comparison to report
-(`max_rel_loss_diff_first_steps` is null); part 4 is reported as not applicable. Prints a table, writes
+(`max_rel_loss_diff_first_steps` is null); the killed run continues the reference run from its
+step-FORK_AT_CPU checkpoint (not from step 0) and its resume must repeat the reference's losses
+from there; part 4 is reported as not applicable. Prints a table, writes
 summary.json under --out, exits 1 if any part fails.
 
     python benchmarks/gpu_train_checks.py --device cuda|cpu --out DIR
@@ -51,12 +53,16 @@ COMPARE_STEPS = 20
 LOSS_BAR = 0.03  # bf16-class bar: Triton's fp32 accumulation order vs the CPU reference, 20 steps
 FORK_AT = 25  # the CPU reference continues the device run from this step's checkpoint
 KILL_AT = 75  # a step of the 'moe' stage, after a checkpoint (every 25 below)
-# The CPU form keeps every stage and growth, with fewer steps: killed in 'moe' after its
-# checkpoint at 25. 'deep' keeps its 30 steps: the nf4 stage's split is exact only once the
-# siblings of deep's two splits have trained apart (shorter, and its growth check fails).
+# The CPU form keeps every stage and growth, with fewer steps. 'deep' keeps its 30 steps: the nf4
+# stage's split is exact only once the siblings of deep's two splits have trained apart (shorter,
+# and its growth check fails). Its killed run does not train from step 0 again: it continues the
+# reference run from FORK_AT_CPU (in 'deep'), checkpoints every CHECKPOINT_EVERY_CPU steps, and is
+# killed at KILL_AT_CPU; its resume crosses the growth into 'nf4' (at 65).
 STEPS_CPU = {"dense": 20, "moe": 15, "deep": 30, "nf4": 5}
 WARMUP_CPU = {"dense": 5, "moe": 3, "deep": 5, "nf4": 1}
-KILL_AT_CPU = 28
+FORK_AT_CPU = 50
+CHECKPOINT_EVERY_CPU = 5
+KILL_AT_CPU = 63
 
 
 def recipe_sets(device: str, backend: str, short: bool) -> list[str]:
@@ -133,6 +139,7 @@ def part3(out: Path, device: str) -> dict:
     # reference backend: the device run would repeat the reference run, so it is not made.
     parallel = device != "cpu"
     short = not parallel
+    kill_sets = () if parallel else ("--set", f"checkpoint.every_steps={CHECKPOINT_EVERY_CPU}")
     if parallel:
         # The CPU reference continues the device run from its checkpoint at FORK_AT (a resume may
         # change train.device and the backend, not train.threads): both sides start from one state
@@ -151,10 +158,12 @@ def part3(out: Path, device: str) -> dict:
     else:
         # On the CPU, auto is the reference backend: the device run would repeat the reference run.
         ref = main = Run(out / "cpu_fp32", "cpu", "reference", short).wait()
-        killed = Run(out / "killed", device, backend, short, fault=f"step_mid:{kill_at}")
+        fork = ref.out / "checkpoints" / f"step-{FORK_AT_CPU:08d}"
+        killed = Run(out / "killed", device, backend, short, fault=f"step_mid:{kill_at - FORK_AT_CPU}",  # the n-th step of this process
+                     extra=("--resume", str(fork), *kill_sets))
         host = bf16 = None
     killed.wait()
-    resumed = Run(out / "killed", device, backend, short, threads=2 if parallel else 0).wait()
+    resumed = Run(out / "killed", device, backend, short, threads=2 if parallel else 0, extra=kill_sets).wait()
     for r in (ref, main, host, bf16):
         if r is not None and r.seconds is None:
             r.wait()
@@ -184,12 +193,15 @@ def part3(out: Path, device: str) -> dict:
     res["killed_rc"], res["resumed_rc"] = killed.returncode, resumed.returncode
     res["resumed"] = "resumed from" in resumed.stdout
     if resumed.returncode == 0:
+        # every step the killed run covers (from its start, step 1 or the CPU form's fork)
         c = losses(out / "killed")
-        diffs = [abs(c[s] - b[s]) for s in b]
-        res["resume_max_abs_loss_diff"] = max(diffs)
-        res["resume_bitwise"] = c == b
+        first = 1 if parallel else FORK_AT_CPU + 1
+        covered = {s: b[s] for s in b if s >= first}
+        res["resume_compared_steps"] = [first, max(b)]
+        res["resume_max_abs_loss_diff"] = max(abs(c[s] - b[s]) if s in c else float("inf") for s in covered)
+        res["resume_bitwise"] = c == covered
         if not res["resume_bitwise"]:
-            res["resume_first_differing_step"] = min(s for s in b if c.get(s) != b[s])
+            res["resume_first_differing_step"] = min(s for s in covered if c.get(s) != b[s])
     else:
         res["resume_error"] = resumed.stderr[-1500:]
     res["nondeterministic_ops"] = nondeterministic_ops(*(r for r in (main, killed, resumed, host) if r is not None))

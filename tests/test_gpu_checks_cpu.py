@@ -22,5 +22,8 @@ def test_gpu_checks_cpu_form_trains_resumes_and_counts_syncs(tmp_path):
     assert train["growth_checks"] == "passed" and train["resumed"] and train["resume_bitwise"], train
     # On the CPU the "device" run would be the CPU reference run: it is run once, nothing compared.
     assert train["max_rel_loss_diff_first_steps"] is None and train["killed_rc"] == -9, train
+    # the killed run continued the reference from step 50 and was killed at 63; its resume crossed
+    # the growth into 'nf4' (65) and every step from 51 on was compared
+    assert train["resume_compared_steps"] == [51, 70], train
     assert summary["4_memory_vs_plan"]["applicable"] is False
     assert summary["5_host_syncs"]["syncs_per_step_4_moe_blocks_accum2"] == 1, summary["5_host_syncs"]
