@@ -499,7 +499,11 @@ class _Ctx:
         unknown = [k for k in raw if k not in fields and k not in moved]
         for key in unknown:
             near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
+            homes = [h for h in _homes(str(key)) if h.rsplit(".", 1)[0] != _section(path)]
+            if homes:  # `train.lr`: the key is right, the section is not
+                hint = "; it is set under " + " or ".join(f"`{h}`" + ("" if "." in h else " (top level)") for h in homes)
+            else:
+                hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
             self.error(path + (key,), f"unknown key '{key}'{hint}")
         values = {}
         ok = True
@@ -642,6 +646,31 @@ class _Ctx:
 
 
 _INVALID = object()
+
+
+def _section(path) -> str:
+    """A recipe path as the sections it names, list indices as N (stages.0.schedule -> stages.N.schedule)."""
+    return ".".join("N" if isinstance(p, int) or str(p).isdigit() else str(p) for p in path)
+
+
+def _homes(key: str, cls=None, prefix: str = "") -> list[str]:
+    """Every place in a recipe where `key` is a field (`lr` -> ['optimizer.lr']), stage items as
+    stages.N: for an unknown key, the section it belongs to."""
+    cls = cls or Recipe
+    found = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        where = f"{prefix}{f.name}"
+        if f.name == key:
+            found.append(where)
+        kind = hints[f.name]
+        if typing.get_origin(kind) is tuple:  # stages: tuple[StageConfig, ...]
+            kind, where = typing.get_args(kind)[0], f"{where}.N"
+        if dataclasses.is_dataclass(kind):
+            found += _homes(key, kind, f"{where}.")
+    return found
 
 
 def _kind(value) -> str:
