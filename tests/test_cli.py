@@ -149,6 +149,15 @@ def test_a_key_in_the_wrong_section_names_the_section_it_belongs_to(tmp_path, ca
         assert expected in err, err
 
 
+def test_a_resume_path_that_does_not_exist_is_refused_before_anything_is_read(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", "tiny", "--out", str(out), "--resume", "nevr"]) == 2  # a mistyped `never` is a path
+    captured = capsys.readouterr()
+    assert "--resume nevr: no such checkpoint or run directory (--resume takes auto, never or a path)" in captured.err
+    assert_clean_failure(captured.out, captured.err)
+    assert "data:" not in captured.out and not out.exists()
+
+
 def test_validate_a_missing_file_exits_2_without_traceback(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
     captured = capsys.readouterr()
