@@ -668,6 +668,8 @@ def _homes(key: str, cls=None, prefix: str = "") -> list[str]:
         kind = hints[f.name]
         if typing.get_origin(kind) is tuple:  # stages: tuple[StageConfig, ...]
             kind, where = typing.get_args(kind)[0], f"{where}.N"
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # model.moe: MoEConfig | None
+            kind = next((a for a in typing.get_args(kind) if dataclasses.is_dataclass(a)), kind)
         if dataclasses.is_dataclass(kind):
             found += _homes(key, kind, f"{where}.")
     return found
