@@ -135,13 +135,14 @@ def test_validate_lists_every_problem_once_with_line_numbers(tmp_path):
 
 def test_a_key_in_the_wrong_section_names_the_section_it_belongs_to(tmp_path, capsys):
     path = tmp_path / "misplaced.yaml"
-    path.write_text("name: m\nseed: 1\nmodel: {d_model: 32, seed: 2}\ntrain: {lr: 0.01, log_evry: 5}\n"
+    path.write_text("name: m\nseed: 1\nmodel: {d_model: 32, seed: 2, top_k: 2}\ntrain: {lr: 0.01, log_evry: 5}\n"
                     "steps: 10\nstages:\n  - {name: dense, steps: 4, every_steps: 2}\n")
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     for expected in (
         "train.lr (line 4): unknown key 'lr'; it is set under `optimizer.lr`",
         "model.seed (line 3): unknown key 'seed'; it is set under `seed` (top level)",
+        "model.top_k (line 3): unknown key 'top_k'; it is set under `model.moe.top_k`",  # through MoEConfig | None
         "steps (line 5): unknown key 'steps'; it is set under `stages.N.steps`",
         "stages.0.every_steps (line 7): unknown key 'every_steps'; it is set under `checkpoint.every_steps`",
         "train.log_evry (line 4): unknown key 'log_evry'; did you mean 'log_every'?",  # a typo, no other home
