@@ -259,10 +259,6 @@ def cmd_run(args) -> int:
     from growtrain.train import run
 
     recipe = load_recipe(args.recipe, args.overrides)
-    if args.resume not in ("auto", "never") and not Path(args.resume).exists():  # before the data is read
-        from growtrain.checkpoint import CheckpointError
-
-        raise CheckpointError(f"--resume {args.resume}: no such checkpoint or run directory (--resume takes auto, never or a path)")
     out = args.out or Path("runs") / recipe.name
     result = run(recipe, out, args.resume)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone talks

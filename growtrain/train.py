@@ -510,6 +510,8 @@ class Run:
     # -- the run ---------------------------------------------------------------------------------
 
     def execute(self, resume: str = "auto") -> RunResult:
+        if resume not in ("auto", "never") and not Path(resume).exists():  # before the run dir is made or the data read
+            raise CheckpointError(f"--resume {resume}: no such checkpoint or run directory (--resume takes auto, never or a path)")
         lock = RunDirLock(self.run_dir) if self.dist.is_main else None
         try:
             if lock is not None:
