@@ -68,6 +68,12 @@ def dynamic_map(signed: bool, device: torch.device) -> torch.Tensor:
     return _MAPS[key]
 
 
+def _zero_code(signed: bool, device: torch.device) -> int:
+    """The code of the dynamic map whose value is exactly 0."""
+    (index,) = (dynamic_map(signed, device) == 0).nonzero()[0].tolist()
+    return index
+
+
 @dataclass
 class Moment8bit:
     """One moment tensor stored as 8-bit codes (shaped like the parameter) and per-block absmax."""
@@ -85,7 +91,13 @@ class Moment8bit:
         if x.is_meta:  # planning on the meta device: shapes only
             return cls(torch.empty(x.shape, dtype=torch.uint8, device="meta"), torch.empty(math.ceil(x.numel() / BLOCKSIZE), device="meta"), signed)
         bnbf = bitsandbytes_functional()
-        codes, qs = bnbf.quantize_blockwise(x.detach().float().contiguous(), code=dynamic_map(signed, x.device), blocksize=BLOCKSIZE)
+        x = x.detach().float().contiguous()
+        codes, qs = bnbf.quantize_blockwise(x, code=dynamic_map(signed, x.device), blocksize=BLOCKSIZE)
+        # bitsandbytes rounds an exact zero in a block with nonzero values to a nonzero code (~2e-5
+        # of the block's absmax for exp_avg): a zero moment must stay zero, or an element growth
+        # added fresh inside a copied tensor starts with ghost moments and its first Adam step is
+        # off by up to ~1x the LR (found by the fresh-state check, stages/dynamics.py).
+        codes = codes.masked_fill(x.view(codes.shape) == 0, _zero_code(signed, x.device))
         return cls(codes, qs.absmax.float(), signed)
 
     def dequantize(self) -> torch.Tensor:

@@ -18,7 +18,8 @@ keyed by its block index: experts.clone_layer, quantize.quantize_layer). What is
   dequantization, the quantization error against bitsandbytes' own round trip), and the layer's
   function on the old model's probe input to that layer, after each operator: the output's and
   the router distribution's change (KL with children summed onto parents), an exact operator's
-  held to exact_rel_tol, the others' router KL to max_router_kl;
+  held to exact_rel_tol, the others' router KL to max_router_kl (a split whose top-k can cut a
+  group of tied siblings in that layer counts as approximate there: Streamed.inexact says so);
 - on the whole model: the composed provenance's values (the state is mapped by it), and, by the
   driver (stages/transition.py), old model vs final: the probe function (the approximate
   operators' thresholds, so clone and quantization errors are judged together), the structure,
@@ -68,6 +69,7 @@ class Streamed:
     layers: dict[str, dict]  # block -> that layer's metrics
     values: dict  # every operator's value checks summed over the layers
     problems: list[str]
+    inexact: list[str]  # exact operators these weights kept from being exact, per layer, and why
 
 
 def apply_streamed(model, unit, keys: list[int], inputs_BT: torch.Tensor, cfg, values: bool, log=None) -> Streamed:
@@ -92,7 +94,7 @@ def apply_streamed(model, unit, keys: list[int], inputs_BT: torch.Tensor, cfg, v
     for name, w in model.state_dict().items():
         if ffn_block(name, model.config) is None:
             carry(name, w, params, new, provenance)
-    layers, problems = {}, []
+    layers, problems, notes = {}, [], []
     totals = {"elements": 0, "perturbed": 0, "max_abs_diff": 0.0, "seconds": 0.0}
     matrices = {f"experts.{m}" for m in MATRICES}
     steps_here = [*expert_steps, quantize_step]
@@ -110,10 +112,16 @@ def apply_streamed(model, unit, keys: list[int], inputs_BT: torch.Tensor, cfg, v
         quantized, quantized_prov = quantize_layer({m: tensors[prefix + "experts." + m] for m in MATRICES}, b, final_cfg, keys[-1])
         final = {k: v for k, v in tensors.items() if k[len(prefix) :] not in matrices} | quantized
         chain.append(_Holder(final_cfg, b, _layer_module(final_cfg, old_moe, final, prefix)))
-        metrics, found = _layer_function(b, [h.moe for h in chain], steps_here, exact, parents, origin, x_in.pop(b), cfg)
-        for i, s in enumerate(expert_steps):  # an exact split that moved the layer: say why, where the weights tell
-            if s.op == "split_experts" and any(p.startswith(f"streamed layer check: block {b}, split_experts") for p in found):
-                found += [f"split_experts ×{s.args.factor}: {p}" for p in selection_tie_problems(chain[i], [b])]
+        # A split whose top-k can cut a group of tied siblings in this layer is not exact on its
+        # weights (torch.topk's tie-break decides): judged by the approximate bar here, and said.
+        ties = [selection_tie_problems(chain[i], [b]) if e and s.op == "split_experts" else [] for i, (e, s) in enumerate(zip(exact, expert_steps))]
+        layer_exact = [e and not t for e, t in zip(exact, ties)]
+        for s, t in zip(expert_steps, ties):
+            for p in t:
+                notes.append(f"split_experts ×{s.args.factor}: {p}")
+                if log is not None:
+                    log(f"not exact on these weights, checked as approximate: {notes[-1]}")
+        metrics, found = _layer_function(b, [h.moe for h in chain], steps_here, layer_exact, parents, origin, x_in.pop(b), cfg)
         if values:
             for i, s in enumerate(steps_here):
                 prov = provs[i] if i < len(provs) else quantized_prov
@@ -145,7 +153,7 @@ def apply_streamed(model, unit, keys: list[int], inputs_BT: torch.Tensor, cfg, v
         v, more = value_check("+".join(s.op for s in unit), None, model, Growth(out, copies), nf4=False)
         problems += [p.replace("values: ", "values: composed provenance: ", 1) for p in more]
         _add_values(totals, v)
-    return Streamed(growth, layers, totals, sharding.union_ranks(problems))
+    return Streamed(growth, layers, totals, sharding.union_ranks(problems), notes)
 
 
 def _add_values(totals: dict, v: dict) -> None:

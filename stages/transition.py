@@ -229,6 +229,7 @@ def apply_growth(
     after = start = run_probe(model, inputs_BT)
     check_values = getattr(invariance_cfg, "values", True)
     units = _units(steps, getattr(invariance_cfg, "stream", True))
+    tie_breaks: list[str] = []  # why an exact operator of this transition was not exact on its weights
     for j, unit in units:
         ops = [get_operator(s.op) for s in unit]
         name = "+".join(op.name for op in ops)
@@ -246,6 +247,15 @@ def apply_growth(
             growth = streamed.growth
         new_model = growth.model
         new_model.set_expert_backend(model.expert_backend)  # runtime state: the probes compare like with like
+        inexact_here = list(growth.notes) if exact else []
+        if inexact_here:
+            # An exact operator that these weights keep from being exact (a split whose top-k can cut
+            # a group of tied siblings, torch.topk's tie-break deciding): judged, and recorded, as
+            # approximate, by the recipe's thresholds, with the reason; the run goes on.
+            exact = False
+            tie_breaks.extend(inexact_here)
+            if log is not None:
+                log(f"growth [{stage_name}] {name}: not exact on these weights, checked as approximate: {inexact_here[0]}")
         after = run_probe(new_model, inputs_BT)
         blocks = block_pairs(model, new_model, growth)
         routers = router_pairs(model, new_model, growth, blocks)
@@ -287,15 +297,18 @@ def apply_growth(
         if streamed is not None:
             metrics["layers"] = streamed.layers
             problems += streamed.problems
+            tie_breaks.extend(streamed.inexact)
             if check_values:
                 metrics["values"] = streamed.values
         elif not structure and check_values:
             metrics["values"], found = value_check(unit[0].op, unit[0].args, model, growth)
             problems += found
         if dyn.on and not structure:
-            problems += dyn.check_operator(unit, exact, model, optimizer_state, new_model, new_state, growth.provenance, probe, invariance_cfg, metrics)
+            problems += dyn.check_operator(unit, exact, model, optimizer_state, new_model, new_state, growth.provenance, probe, invariance_cfg, metrics, inexact_here)
         args = unit[0].to_plain() if len(unit) == 1 else {"ops": [s.to_plain() for s in unit]}
         record = _record(stage_name, stage_index, j, name, args, exact, metrics, model, new_model, planned_params, sharding.union_ranks(structure + problems))
+        if inexact_here or (streamed is not None and streamed.inexact):
+            record["inexact_on_these_weights"] = inexact_here or streamed.inexact
         record["provenance"] = _provenance_summary(growth.provenance)
         if streamed is not None:
             record["streamed"] = True
@@ -309,7 +322,7 @@ def apply_growth(
     if model.config != planned:  # the recipe's plan and the operators' results disagree: a bug, never train on
         raise RuntimeError(f"stage {stage_name}: grown shape {model.config} differs from the planned {planned}")
     if len(units) > 1:  # one unit: its own check is the transition's
-        exact = all(get_operator(s.op).is_exact(s.args) for s in steps)
+        exact = all(get_operator(s.op).is_exact(s.args) for s in steps) and not tie_breaks
         metrics, problems = _function_report(start, after, targets_BT, chain.blocks, chain.view, chain.routers, exact, invariance_cfg)
         with torch.device("meta"):
             planned_params = GrowLM(planned).num_parameters()
@@ -337,6 +350,7 @@ class _Dynamics:
     origin: dict
     start_held: set
     approximate: list
+    regrouped: set  # start-model parameters some operator copied into another shape (dynamics.twin_step)
 
     @classmethod
     def of(cls, invariance_cfg, optimizer_cfg, lr, model) -> "_Dynamics":
@@ -344,10 +358,12 @@ class _Dynamics:
         # A warmup that starts at LR 0 would make the comparison vacuous: the base LR then.
         lr = lr if lr else opt_cfg.lr
         on = bool(getattr(invariance_cfg, "dynamics", True))
-        return cls(on, opt_cfg, lr, {}, {n: n for n, _ in model.named_parameters()}, set(), [])
+        return cls(on, opt_cfg, lr, {}, {n: n for n, _ in model.named_parameters()}, set(), [], set())
 
-    def check_operator(self, unit, exact, model, state, new_model, new_state, provenance, probe, cfg, metrics) -> list[str]:
+    def check_operator(self, unit, exact, model, state, new_model, new_state, provenance, probe, cfg, metrics, inexact_here=()) -> list[str]:
         patterns, why = held_patterns([s.op for s in unit])
+        why += list(inexact_here)
+        self.approximate += list(inexact_here)
         for s in unit:
             reason = approximate_step(s.op, s.args)
             if reason is not None:
@@ -361,11 +377,15 @@ class _Dynamics:
         whole = [n for n, p in provenance.items() if p.kind == "reset"] + [n for n, m in held_new.items() if m is None] + frozen
         held_old = {n: None for n in source_names(whole, provenance)}
         subset = _subset_words(fresh, held_old, why)
-        dyn, problems = dynamics_check(Side(model, state, held_old), Side(new_model, new_state, held_new), self.optimizer_cfg, self.lr, probe, exact, cfg, subset, provenance)
+        regrouped = {p.source for p in provenance.values() if p.kind == "copy" and p.source}
+        dyn, problems = dynamics_check(
+            Side(model, state, held_old), Side(new_model, new_state, held_new), self.optimizer_cfg, self.lr, probe, exact, cfg, subset, provenance, regrouped
+        )
         trainability, dead = trainability_check(new_model, new_state, fresh, self.optimizer_cfg, self.lr, probe)
         metrics.update(dynamics=dyn, trainability=trainability)
         # Carried along for the whole transition's check.
         self.start_held |= {self.origin[n] for n in held_old if self.origin.get(n)}
+        self.regrouped |= {self.origin[n] for n in regrouped if self.origin.get(n)}
         carried = carry_masks(self.fresh, new_model, provenance)
         self.fresh = {n: carried[n] | fresh[n] if n in carried and n in fresh else carried.get(n, fresh.get(n)) for n in set(carried) | set(fresh)}
         self.origin = {n: self.origin.get(p.source) if p.kind != "new" else None for n, p in provenance.items()}
@@ -378,7 +398,10 @@ class _Dynamics:
         held_new = with_patterns(model, dict(self.fresh), patterns)
         whole = {self.origin[n] for n, m in held_new.items() if m is None and self.origin.get(n)}
         held_old = {n: None for n in self.start_held | whole}
-        dyn, problems = dynamics_check(Side(start_model, start_state, held_old), Side(model, state, held_new), self.optimizer_cfg, self.lr, probe, exact, cfg, _subset_words(self.fresh, held_old, why))
+        dyn, problems = dynamics_check(
+            Side(start_model, start_state, held_old), Side(model, state, held_new), self.optimizer_cfg, self.lr, probe, exact, cfg,
+            _subset_words(self.fresh, held_old, why), regrouped=self.regrouped,
+        )
         metrics["dynamics"] = dyn
         return problems
 

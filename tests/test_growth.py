@@ -606,3 +606,46 @@ def test_growth_is_a_function_of_its_position_and_leaves_the_global_rng_alone():
     assert torch.count_nonzero(first[router]) > 0
     assert not torch.equal(first[router], elsewhere[router])
     assert not torch.equal(first["blocks.2.f.attn.wq.weight"], elsewhere["blocks.2.f.attn.wq.weight"])  # fresh block
+
+
+# ---------------------------------------------------------------- the twin (issue 42)
+
+
+def test_jittering_moves_about_half_the_nonzero_weights_one_ulp_and_restores_them_bitwise():
+    from growtrain.stages.dynamics import jittered
+
+    model = GrowLM(moe_config())
+    with torch.no_grad():
+        model.blocks[0].f.attn.wo.weight[:2].zero_()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with jittered(model):
+        for n, p in model.named_parameters():
+            moved = p != before[n]
+            assert not bool(moved[before[n] == 0].any()), f"{n}: a zero moved"
+            ulp = (torch.nextafter(before[n].abs(), torch.full_like(p, float("inf"))) - before[n].abs())
+            assert torch.equal((p - before[n]).abs()[moved], ulp[moved]), f"{n}: moved by other than one ulp away from zero"
+            if p.numel() > 100:
+                assert 0.4 < moved.float().mean() < 0.6, (n, moved.float().mean())
+        jittered_once = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with jittered(model):  # the same elements every time: drawn from the names
+        assert all(torch.equal(p, jittered_once[n]) for n, p in model.named_parameters())
+
+
+def test_the_twin_regroups_only_the_8bit_moments_growth_copies():
+    from growtrain.stages.dynamics import Reblocked
+
+    model = GrowLM(ModelConfig(vocab_size=V, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=128, init_std=0.2))
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=8))
+    for _ in range(2):
+        train_step(model, opt, tokens(seed=5, B=2, T=16), lr=1e-2)
+    named = dict(model.named_parameters())
+    state = opt.state
+    name = "blocks.0.g.ffn.w_up.weight"  # 128 x 64: 8-bit moments
+    twin = Reblocked(state, named, opt.cfg, regrouped={name})
+    other = next(n for n in state if n != name)
+    assert twin[other] is state[other] or torch.equal(twin[other].exp_avg, state[other].exp_avg)
+    m, m_twin = state[name].exp_avg, twin[name].exp_avg
+    assert not torch.equal(m, m_twin), "shifted blocks must requantize differently"
+    assert float((m - m_twin).abs().max()) <= 0.2 * float(m.abs().max()), "the same moments up to 8-bit resolution"
+    assert torch.equal(Reblocked(state, named, OptimizerConfig(), {name})[name].exp_avg, m), "32-bit state passes through"

@@ -87,6 +87,31 @@ def clip_weights_dropped(monkeypatch):
     wrap_mapped_copy(monkeypatch, lambda s, prov: dataclasses.replace(s, norm_mult=1.0))
 
 
+def fresh_elements_keep_the_copied_step_count(monkeypatch):
+    """New neurons inside a copied tensor get zero moments under the tensor's copied step count
+    (Adam's bias correction then scales their first updates: ~0.45x at beta2 0.95)."""
+
+    def change(s, prov):
+        if prov.fresh is None or not isinstance(s.step, torch.Tensor):
+            return s
+        return dataclasses.replace(s, step=torch.full_like(s.step, int(s.step.max())))
+
+    wrap_mapped_copy(monkeypatch, change)
+
+
+def fresh_elements_step_at_twice_the_lr(monkeypatch):
+    """New elements inside a copied tensor get an LR multiplier of 2 instead of fresh state's 1."""
+
+    def change(s, prov):
+        if prov.fresh is None:
+            return s
+        fresh = prov.fresh.to(s.exp_avg.device).expand(s.exp_avg.shape)
+        lr_mult = s.lr_mult.expand(s.exp_avg.shape) if isinstance(s.lr_mult, torch.Tensor) else torch.full(s.exp_avg.shape, float(s.lr_mult))
+        return dataclasses.replace(s, lr_mult=lr_mult.masked_fill(fresh, 2.0))
+
+    wrap_mapped_copy(monkeypatch, change)
+
+
 def renamed_parameters_start_fresh(monkeypatch):
     """State looked up under the new name: a parameter carried under another name starts fresh."""
     original = transition.map_optimizer_state
@@ -263,6 +288,8 @@ MUTATIONS = {
     "renamed_parameters_start_fresh": (renamed_parameters_start_fresh, "deepen", "dynamics"),
     "split_copy_count_one": (split_copy_count_one, "split_experts", "dynamics"),
     "new_ffn_neurons_all_zero": (new_ffn_neurons_all_zero, "widen_ffn", "trainability"),
+    "fresh_elements_keep_the_copied_step_count": (fresh_elements_keep_the_copied_step_count, "widen_ffn", "fresh state"),
+    "fresh_elements_step_at_twice_the_lr": (fresh_elements_step_at_twice_the_lr, "widen_ffn", "fresh state"),
     "lora_both_factors_zero": (lora_both_factors_zero, "quantize_experts", "trainability"),
     # The experts are held from upcycle's dynamics check; the copy count derived from the
     # transform is not.

@@ -231,7 +231,7 @@ def tie_router_rows(model, block, groups) -> None:
                 router.balance_bias[e] = router.balance_bias[group[0]]
 
 
-def test_an_nf4_split_of_a_router_whose_top_k_can_cut_a_tied_group_fails_its_check_saying_why():
+def test_an_nf4_split_of_a_router_whose_top_k_can_cut_a_tied_group_is_judged_approximate_saying_why():
     # Experts 1 and 2 tie exactly, 0 and 3 do not; top-2 then takes one of the pair for every token
     # whose pair score falls between the others', chosen by torch.topk's tie-break. The codes split
     # exactly (the children reproduce the parent under its own routing); the children's top-4 picks
@@ -250,8 +250,21 @@ def test_an_nf4_split_of_a_router_whose_top_k_can_cut_a_tied_group_fails_its_che
     assert rel(y_old, y_new) > 1e-3, "the tie-break must differ for some token, or this test covers nothing"
     (note,) = growth.notes  # block 1's router has no ties
     assert "block 0" in note and "torch.topk" in note and "Train longer" in note, note
+    # Issue 42: not exact on these weights, so judged by the approximate thresholds, the reason
+    # recorded, and the run goes on where the change is within them ...
+    said = []
+    (record,) = apply_growth(
+        model, opt.state, [GrowthStep("split_experts", SplitExpertsArgs())], seed=0, stage_index=1, stage_name="grown",
+        planned=split.plan(model.config, SplitExpertsArgs()), probe=(tokens(seed=99, B=4, T=12), tokens(seed=98, B=4, T=12)),
+        invariance_cfg=InvarianceConfig(), log=said.append,
+    ).records  # fmt: skip
+    assert record["passed"] and not record["exact"] and record["inexact_on_these_weights"] == [note], record
+    assert record["metrics"]["dynamics"]["bar"] == InvarianceConfig().dynamics_max_rel
+    assert any("not exact on these weights, checked as approximate" in line and "torch.topk" in line for line in said), said
+    # ... and where it is not, the failure says why.
     with pytest.raises(GrowthCheckFailed) as err:
-        grow(model, opt.state, split, SplitExpertsArgs())
+        grow(model, opt.state, split, SplitExpertsArgs(), cfg=InvarianceConfig(max_rel_dloss=1e-9))
+    assert not err.value.record["exact"]
     assert any("torch.topk" in p and "block 0" in p for p in err.value.record["problems"]), err.value.record["problems"]
 
 

@@ -246,3 +246,23 @@ def test_an_8bit_run_killed_in_the_moe_stage_resumes_to_the_same_losses_and_weig
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step-00000012" in resumed.stdout
     assert_same_run(out, reference, 20)
+
+
+def test_a_zero_moment_stays_zero_in_a_block_with_nonzero_ones():
+    # bitsandbytes' blockwise quantization rounds an exact 0 next to nonzero values to a nonzero
+    # code (~2e-5 of the absmax for exp_avg): an element growth adds fresh inside a copied tensor
+    # would start with ghost moments, and its first step would be off by up to ~1x the LR.
+    from growtrain.kernels.nf4_reference import bitsandbytes_functional
+    from growtrain.optim8bit import BLOCKSIZE, dynamic_map
+
+    bnbf = bitsandbytes_functional()
+    x = torch.zeros(3, BLOCKSIZE)
+    x[0, ::2] = torch.rand(BLOCKSIZE // 2, generator=torch.Generator().manual_seed(0)) * 1e-3
+    x[1, 7] = 1e-6
+    for signed in (True, False):
+        back = Moment8bit.quantize(x, signed).dequantize()
+        assert torch.equal(back[x == 0], torch.zeros(int((x == 0).sum()))), signed
+        codes, qs = bnbf.quantize_blockwise(x.contiguous(), code=dynamic_map(signed, x.device), blocksize=BLOCKSIZE)
+        plain = bnbf.dequantize_blockwise(codes, absmax=qs.absmax, code=dynamic_map(signed, x.device), blocksize=BLOCKSIZE)
+        assert bool((plain[0][x[0] == 0] != 0).any()), "bitsandbytes keeps zeros now: the masking is no longer needed"
+        assert torch.equal(back[x != 0], plain[x != 0]), "nonzero moments quantize as bitsandbytes does"

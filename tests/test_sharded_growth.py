@@ -83,18 +83,40 @@ def _grow(tmp_path, world: int, ops, mutation: str, attention: int) -> list[dict
 # EP 2 and 4 for drop-upcycled clones, 0.075 against 0.092 for widen_hidden's noisy experts,
 # whose one-step logit change agrees to 4e-5): diagnostics, not verdicts, held to the same
 # magnitude (within 1.5x, or both below 1e-5).
+# The twin's distances (dynamics.twin_step) are measured rounding too, drawn on each rank's own
+# slices: held to the same magnitude (within 10x, or both below 1e-5), and so are the bars that
+# add them. The fresh-state check's count of judged elements (|g| > 10 eps) is not compared: a
+# new block's norm weights have an exact gradient of 0 (its output projections are zero), computed
+# as rounding that crosses the threshold in one layout and not another (measured: 30 vs 32 of 32).
+# Each layout judges the same parameters, each worst deviation far below the check's tolerance.
 ABS = 1e-6
 REL = 1e-4
-DIAGNOSTIC = {"worst_parameter": None, "worst_parameter_rel": 1.5, "seconds": None}
+DIAGNOSTIC = {
+    "worst_parameter": None, "worst_parameter_rel": 1.5, "seconds": None,
+    "twin_rel_l2": 10, "twin_clip_norm_rel": 10, "bar": 10, "clip_norm_bar": 10,
+}  # fmt: skip
+
+
+def assert_same_fresh_first_steps(got: dict, want: dict, path: str) -> None:
+    from growtrain.stages.dynamics import FRESH_STEP_TOL
+
+    assert set(got) == set(want), f"{path}: keys {sorted(set(got) ^ set(want))}"
+    for name, w in want.items():
+        g = got[name]
+        assert max(g["max_dev_lr"], w["max_dev_lr"]) < FRESH_STEP_TOL / 10, f"{path}/{name}: {g} vs {w}"
 
 
 def assert_same_report(got, want, path="") -> None:
     if isinstance(want, dict):
         assert set(got) == set(want), f"{path}: keys {sorted(set(got) ^ set(want))}"
         for k in want:
+            if k == "fresh_first_step":
+                assert_same_fresh_first_steps(got[k], want[k], f"{path}/{k}")
+                continue
             if k in DIAGNOSTIC:
                 factor = DIAGNOSTIC[k]
-                if factor is not None and max(got[k], want[k]) > 1e-5:
+                assert (got[k] is None) == (want[k] is None), f"{path}/{k}: {got[k]} vs {want[k]}"
+                if factor is not None and want[k] is not None and max(got[k], want[k]) > 1e-5:
                     assert want[k] / factor <= got[k] <= want[k] * factor, f"{path}/{k}: {got[k]} vs {want[k]}"
                 continue
             assert_same_report(got[k], want[k], f"{path}/{k}")
