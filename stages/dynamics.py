@@ -14,17 +14,25 @@ no logit at all.
   model had nothing), the sources of reset parameters (their values now sit in frozen buffers), and
   the operator's declared holds (HELD: split siblings' router rows get unequal shares of their
   parent's gradient). The loss is the cross-entropy alone: the router z-loss changes by log m
-  under a split by design, and the balance-bias update is not optimizer state.
+  under a split by design, and the balance-bias update is not optimizer state. An exact operator's
+  bar adds what this model resolves, measured (issue 42): the distance of the old side's twin
+  (twin_step: weights one ulp off, 8-bit moments of copied tensors regrouped) from its own step,
+  and likewise for the clip norm.
 - Trainability: every trainable element growth introduced has a non-zero gradient on the probe,
   or gets one within TRAINABILITY_STEPS steps of the others (a zero-initialised factor next to a
   non-zero one: the pair's product has a gradient; the loss is the training loss, aux included).
   Each of those steps is the run's optimizer step from the carried state at the weights the
   earlier ones moved (the state is not advanced: no copy of it is held). Experts no probe token
   reached are not judged (counted).
+- Fresh state: every element growth introduced fresh takes the run's optimizer step from the
+  grown state on its probe gradient, which from fresh state is exactly lr · g / (|g| + eps) besides
+  the weight decay (fresh_first_steps): a copied step count, kept moments or multipliers of new
+  elements inside copied tensors show there and nowhere else (they are held out of the dynamics).
 
-Cost on the probe batch, per operator: the old model 1 forward+backward and 1 forward; the new one
-1 forward+backward and 1 forward (dynamics), and 1 forward+backward for trainability, plus
-TRAINABILITY_STEPS more when some new element has no gradient at first (zero-initialised factors).
+Cost on the probe batch, per operator: the old model 1 forward+backward and 1 forward (2 of each
+for an exact operator: its twin); the new one 1 forward+backward and 1 forward (dynamics), and 1
+forward+backward for trainability, plus TRAINABILITY_STEPS more when some new element has no
+gradient at first (zero-initialised factors); the fresh-state check steps one tensor at a time.
 Memory: each side's gradients, then its saved weights growing as step_each drops them (one copy of
 the stepped weights in all), and one tensor's optimizer state at a time; no side's updates are
 kept unless the comparison fails (then `locate` steps both again to name the parameter). The
@@ -87,10 +95,10 @@ def approximate_step(op_name: str, args) -> str | None:
 
 RESOLUTION_MULT = 10.0
 
-# The floor of the clip-norm bar for exact operators: 0 to ~1e-7 measured on the micro recipe, up
-# to 1.1e-5 on the tiny recipe's deep transition (its reversible backward reconstructs 4 blocks);
-# the measured twin noise (below) raises the bar where a model resolves its norm no finer. A dropped
-# clip-norm weight on the expert tensors of a split moved it by 1.4e-4 (micro recipe).
+# The floor of the clip-norm bar for exact operators: 0 to ~1e-7 measured on the micro recipe, 7e-6
+# to 1e-5 on the tiny recipe's deep transition (seed 2, two machines: a fixed bar of 1e-5 stopped
+# it on one); the measured twin distance (below) raises the bar where a model resolves its norm no
+# finer. A dropped clip-norm weight on the expert tensors of a split moved it by 1.4e-4 (micro).
 CLIP_NORM_RTOL = 1e-5
 
 # Exact operators: how far past the measured twin noise (twin_step) a grown model's step may be. The
@@ -362,11 +370,12 @@ def _shifted_blocks(x: torch.Tensor, signed: bool) -> torch.Tensor:
 
 def twin_step(side: Side, opt_cfg, lr: float, inputs_BT, targets_BT, regrouped=frozenset()) -> dict:
     """one_step of `side`'s twin: its weights jittered by one unit in the last place and the 8-bit
-    moments of `regrouped` (the sources of the grown model's copies) requantized in shifted blocks. Its distance from the side's own step is the resolution
-    of the one-step comparison on this model, state and probe, measured: fp32 rounding carried
-    through the reversible backward, Adam's near-sign steps of elements whose gradient sits at
-    the rounding floor, top-k near ties, 8-bit regrouping. A grown model by an exact operator
-    differs from the ungrown one by the same kinds of rounding."""
+    moments of `regrouped` (the sources of the grown model's copies) requantized in shifted
+    blocks. Its distance from the side's own step is the resolution of the one-step comparison on
+    this model, state and probe, measured: fp32 rounding carried through the reversible backward,
+    Adam's near-sign steps of elements whose gradient sits at the rounding floor, top-k near ties,
+    8-bit regrouping. A grown model by an exact operator differs from the ungrown one by the same
+    kinds of rounding."""
     named = dict(side.model.named_parameters())
     with jittered(side.model):
         return one_step(Side(side.model, Reblocked(side.state, named, opt_cfg, regrouped), side.held), opt_cfg, lr, inputs_BT, targets_BT)
@@ -479,14 +488,19 @@ def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool,
     norm_rel = abs(b["norm"] - a["norm"]) / max(abs(a["norm"]), 1e-30)
     metrics["clip_norm_rel"] = norm_rel
     if exact:
-        metrics["clip_norm_bar"] = CLIP_NORM_RTOL + NOISE_MULT * metrics["twin_clip_norm_rel"]
+        # Clipping scales the whole step by 1/norm: a norm off by less than what the twin measures
+        # for the step is within the step's own noise. The twin's norm alone measured up to 15x
+        # below the splits' on the tiny recipe (seeds 0-9: 6e-7 against up to 9.6e-6), whose step
+        # distances it does bound (1e-5 to 2e-5).
+        metrics["clip_norm_bar"] = CLIP_NORM_RTOL + NOISE_MULT * max(metrics["twin_clip_norm_rel"], metrics["twin_rel_l2"])
     if exact and opt_cfg.grad_clip > 0 and not (norm_rel <= metrics["clip_norm_bar"]):
         # A mapped state weighs each copy's squared gradient by S·β (optim.py): the grown model's
         # clip norm is the ungrown one's, or clipping scales the two steps differently.
         problems.append(
             f"dynamics: the clip norm of the grown model's gradient is {b['norm']:.6g}, the ungrown model's {a['norm']:.6g} "
             f"(relative {norm_rel:.3g} > {metrics['clip_norm_bar']:.3g} for an exact operator: {CLIP_NORM_RTOL:g} + {NOISE_MULT:g}x the "
-            f"{metrics['twin_clip_norm_rel']:.3g} of the ungrown model's twin): the clip-norm weights (norm_mult) are wrong"
+            f"ungrown model's twin, its norm {metrics['twin_clip_norm_rel']:.2g} or step {metrics['twin_rel_l2']:.2g} off): the clip-norm "
+            "weights (norm_mult) are wrong"
         )
     if not (rel <= limit):
         worst = locate(old, new, opt_cfg, lr, probe, provenance) if provenance is not None else None
