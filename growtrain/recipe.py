@@ -259,7 +259,7 @@ class InvarianceConfig:
             "the fp32 rounding of the logits relative to the step (a small first LR is resolved no finer), plus 10x the "
             "measured resolution: the distance of the ungrown model's twin (every weight element moved one ulp with "
             "probability 1/2, 8-bit moments of copied tensors requantized in shifted blocks) from its own step. The clip "
-            "norm must agree within 1e-5 + 10x the twin's clip-norm distance. An exact operator these weights keep from "
+            "norm must agree within 1e-5 + 10x the larger of the twin's clip-norm and step distances. An exact operator these weights keep from "
             "being exact (a split whose top-k can cut a group of tied siblings) is judged by the approximate bars, with "
             "the reason in its record and on the console.",
             "gt": 0.0,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import MICRO, REPO, run_cli, train_recipe
+from conftest import MICRO, REPO, train_recipe
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
