@@ -315,16 +315,17 @@ def jittered(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.is_floating_point():
-                away = _away_from_zero(p, _jitter_mask(name, p))
-                p.copy_(torch.nextafter(p, away))
+                mask = _jitter_mask(name, p)
+                chosen = p[mask]  # transients of half the tensor, one tensor at a time
+                p[mask] = torch.nextafter(chosen, _scalar(float("inf"), p).copysign(chosen))
                 moved.append((name, p))
     try:
         yield
     finally:
         with torch.no_grad():
             for name, p in moved:
-                toward = torch.where(_jitter_mask(name, p), torch.zeros_like(p), p)
-                p.copy_(torch.nextafter(p, toward))
+                mask = _jitter_mask(name, p)
+                p[mask] = torch.nextafter(p[mask], _scalar(0.0, p))
 
 
 def _jitter_mask(name: str, p: torch.Tensor) -> torch.Tensor:
@@ -332,9 +333,8 @@ def _jitter_mask(name: str, p: torch.Tensor) -> torch.Tensor:
     return torch.randint(0, 2, p.shape, generator=g, device=p.device, dtype=torch.uint8).bool() & (p != 0)
 
 
-def _away_from_zero(p: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    inf = torch.full_like(p, float("inf"))
-    return torch.where(mask, torch.where(p > 0, inf, -inf), p)
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
 
 
 class Reblocked(Mapping):
@@ -629,9 +629,12 @@ def fresh_first_steps(params: dict, state: dict, masks: dict[str, torch.Tensor],
         finally:
             with torch.no_grad():
                 p.copy_(before)
+        del s
         g = p.grad.float()
-        off.sub_(g / (g.abs() + opt_cfg.eps)).abs_()
-        ulp = (torch.nextafter(before, torch.full_like(before, float("inf"))) - before).abs_().float()
+        adam = g.abs().add_(opt_cfg.eps)
+        off.sub_(torch.div(g, adam, out=adam)).abs_()
+        del adam
+        ulp = torch.nextafter(before, _scalar(float("inf"), before)).sub_(before).abs_().float()
         off.sub_(ulp.mul_(4 / lr)).clamp_min_(0)  # less 4 ulps of the weight
         out[name] = (int(judged.sum()), float(off[judged].max()))
     return out
