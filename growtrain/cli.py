@@ -298,10 +298,17 @@ def cmd_validate(args) -> int:
     if args.world_size > 1 and recipe.distributed.layout == "af":
         A = recipe.distributed.attention_ranks
         over += f" (AF layout: {A} attention + {args.world_size - A} expert ranks)"
-    print(f"{args.recipe}: ok{over} — {len(recipe.stages)} stage(s), {sum(s.steps for s in recipe.stages):,} steps")
-    for stage, shape in zip(recipe.stages, shapes):
+    sched = recipe.schedule
+    lr_curve = (
+        f"run-wide {sched.kind} schedule (warmup {sched.warmup_steps} steps, floor {sched.min_lr_ratio:g} x optimizer.lr)"
+        if sched.run_wide
+        else "per-stage LR schedules"
+    )
+    print(f"{args.recipe}: ok{over} — {len(recipe.stages)} stage(s), {sum(s.steps for s in recipe.stages):,} steps, {lr_curve}")
+    for i, (stage, shape) in enumerate(zip(recipe.stages, shapes)):
         moe = f", MoE {shape.moe.num_experts} experts top-{shape.moe.top_k} in {len(shape.moe_layers)} layer(s)" if shape.moe else ""
-        print(f"  {stage.name}: {shape.n_layers} blocks, d_model {shape.d_model}{moe}; {stage.steps} steps")
+        lr = f"lr {recipe.lr(i, 0):.2e} -> {recipe.lr(i, stage.steps - 1):.2e}"
+        print(f"  {stage.name}: {shape.n_layers} blocks, d_model {shape.d_model}{moe}; {stage.steps} steps, {lr}")
     return 0
 
 

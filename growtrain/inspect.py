@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, read_meta, verify_checkpoint
+from growtrain.divergence import format_line as format_sibling_line
 
 
 def _checkpoint_dir(path: Path) -> tuple[Path, list[str], list[dict]]:
@@ -124,6 +125,8 @@ def inspect_report(path: Path) -> dict:
         "expert_parallel": (meta.get("expert_parallel") or {}).get("size", 1),  # ranks that saved its experts
         "layout": _layout(meta.get("expert_parallel")),
         "transitions": transitions,
+        # stage name -> {MoE layer index: sibling numbers at the stage's end} (growtrain/divergence.py)
+        "sibling_divergence": meta.get("sibling_divergence", {}),
     }
 
 
@@ -178,4 +181,8 @@ def format_report(r: dict) -> str:
                 f"{t['rel_l2']:>10.2e} {t['cosine']:>10.6f} {t['loss_after'] - t['loss_before']:>+10.2e} "
                 f"{before:>13,} -> {after:<13,}"
             )
+    if r["sibling_divergence"]:
+        lines += ["", "sibling experts at each stage's end (growtrain/divergence.py):"]
+        for stage, layers in r["sibling_divergence"].items():
+            lines += [f"  {stage:<12} {format_sibling_line(int(i), n)}" for i, n in layers.items()]
     return "\n".join(lines)

@@ -42,17 +42,69 @@ class RecipeError(Exception):
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """Learning-rate schedule of one stage; it re-warms from zero at the stage start."""
+    """Learning-rate schedule of one stage; it re-warms from zero at the stage start. Under a
+    run-wide schedule (top-level `schedule.kind` wsd or cosine) only `warmup_steps` and `peak_lr`
+    are read: a short re-warm from zero to `peak_lr` (0: the run's LR there), then the run's curve."""
 
     kind: Literal["cosine", "wsd", "constant"] = field(
         default="cosine", metadata={"doc": "cosine: warmup then cosine decay; wsd: warmup-stable-decay; constant: warmup then flat."}
     )
-    peak_lr: float = field(default=0.0, metadata={"doc": "Peak LR of the stage; 0 uses optimizer.lr.", "ge": 0.0})
-    warmup_steps: int = field(default=0, metadata={"doc": "Linear re-warmup steps at the stage start.", "ge": 0})
+    peak_lr: float = field(
+        default=0.0, metadata={"doc": "Peak LR of the stage; 0 uses optimizer.lr (under a run-wide schedule: the re-warm's peak; 0 uses the run's LR there).", "ge": 0.0}
+    )
+    warmup_steps: int = field(
+        default=0, metadata={"doc": "Linear re-warmup steps at the stage start (under a run-wide schedule: the stage's re-warm, 0 for none).", "ge": 0}
+    )
     min_lr_ratio: float = field(default=0.1, metadata={"doc": "Final LR as a fraction of the peak.", "ge": 0.0, "le": 1.0})
     decay_fraction: float = field(
         default=0.2, metadata={"doc": "wsd only: fraction of the stage spent in the final linear decay.", "gt": 0.0, "le": 1.0}
     )
+
+
+@dataclass(frozen=True)
+class RunScheduleConfig:
+    """Learning-rate schedule over the whole run (the top-level `schedule:`). With kind `stages`
+    (the default) every stage runs its own schedule; with `wsd` or `cosine` the LR is one curve
+    over the run's total steps, growth happens at whatever LR the run has reached, and a stage's
+    own `schedule` may only ask for a short re-warm (its `warmup_steps`, up to its `peak_lr`)."""
+
+    kind: Literal["stages", "wsd", "cosine"] = field(
+        default="stages",
+        metadata={
+            "doc": "stages: each stage its own schedule (stages.N.schedule); wsd: one warmup at the start, the peak "
+            "(optimizer.lr) held through every growth, one linear decay at the end; cosine: one warmup, then one "
+            "cosine decay over the run's total steps."
+        },
+    )
+    warmup_steps: int = field(default=0, metadata={"doc": "wsd/cosine: linear warmup steps at the run's start.", "ge": 0})
+    min_lr_ratio: float = field(default=0.1, metadata={"doc": "wsd/cosine: the run's final LR as a fraction of optimizer.lr.", "ge": 0.0, "le": 1.0})
+    decay_fraction: float = field(
+        default=0.2, metadata={"doc": "wsd only: fraction of the run's total steps spent in the final linear decay.", "gt": 0.0, "le": 1.0}
+    )
+
+    @property
+    def run_wide(self) -> bool:
+        return self.kind != "stages"
+
+    def decay_steps(self, total: int) -> int:
+        return max(1, round(total * self.decay_fraction))
+
+    def lr(self, step: int, total: int, peak: float) -> float:
+        """LR at run-wide optimizer step `step` (0-based) of a run of `total` steps."""
+        if step < self.warmup_steps:
+            return peak * (step + 1) / self.warmup_steps
+        floor = peak * self.min_lr_ratio
+        if self.kind == "cosine":
+            progress = min(1.0, (step - self.warmup_steps + 1) / max(1, total - self.warmup_steps))
+            return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+        decay_start = total - self.decay_steps(total)
+        if step < decay_start:
+            return peak
+        return peak - (peak - floor) * min(1.0, (step - decay_start + 1) / self.decay_steps(total))
+
+
+# A stage's schedule keys that a run-wide schedule reads (its re-warm); the others would be ignored.
+REWARM_KEYS = ("warmup_steps", "peak_lr")
 
 
 @dataclass(frozen=True)
@@ -288,12 +340,32 @@ class Recipe:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"doc": "Optimizer settings."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Loop settings."})
     stages: tuple[StageConfig, ...] = field(default=(), metadata={"doc": "The stages, in order (at least one)."})
+    schedule: RunScheduleConfig = field(
+        default_factory=RunScheduleConfig, metadata={"doc": "Run-wide LR schedule (default: each stage its own, stages.N.schedule)."}
+    )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoint policy."})
     invariance: InvarianceConfig = field(default_factory=InvarianceConfig, metadata={"doc": "Growth check thresholds."})
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"doc": "W&B and console."})
     distributed: DistributedConfig = field(
         default_factory=DistributedConfig, metadata={"doc": "Expert parallelism under torchrun (README: Expert parallelism)."}
     )
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+    def lr(self, stage: int, step: int) -> float:
+        """LR of optimizer step `step` (0-based) of stage `stage`: a pure function of the position,
+        so a resumed run repeats it."""
+        st = self.stages[stage]
+        if not self.schedule.run_wide:
+            return st.lr(step, self.optimizer.lr)
+        at = sum(s.steps for s in self.stages[:stage]) + step
+        run_lr = self.schedule.lr(at, self.total_steps, self.optimizer.lr)
+        w = st.schedule.warmup_steps
+        if step < w:
+            return (st.schedule.peak_lr or run_lr) * (step + 1) / w
+        return run_lr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,6 +466,7 @@ def parse_recipe(raw: dict, problems: list[str], lines: dict) -> Recipe:
     recipe = ctx.build(Recipe, raw, ())
     if recipe is not None:
         _check_recipe(recipe.model, list(recipe.stages), ctx)
+        _check_schedule(recipe.schedule, list(recipe.stages), ctx)
         return recipe
     # Some field is invalid: still check the sections that did build (None: could not build).
     if not isinstance(raw, dict):
@@ -404,6 +477,9 @@ def parse_recipe(raw: dict, problems: list[str], lines: dict) -> Recipe:
     if "stages" not in raw:
         stages = []
     _check_recipe(model, stages, ctx)
+    schedule = ctx.built.get(("schedule",)) if "schedule" in raw else RunScheduleConfig()
+    if schedule is not None and stages is not None:
+        _check_schedule(schedule, stages, ctx)
     return Recipe()
 
 
@@ -686,6 +762,48 @@ def _kind(value) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}.get(
         type(value), type(value).__name__
     ) + (f" ({value!r})" if isinstance(value, (bool, int, float, str)) else "")
+
+
+def _check_schedule(schedule: RunScheduleConfig, stages: list[StageConfig | None], ctx: _Ctx) -> None:
+    """A run-wide schedule against the stages: what it reads of them, and whether it fits the run."""
+    # Settings that differ from their defaults (a resolved recipe, `print-config`'s, spells every
+    # default out and must load again) but that this kind of schedule would not read.
+    if not schedule.run_wide:
+        default = RunScheduleConfig()
+        for f in dataclasses.fields(RunScheduleConfig):
+            if f.name != "kind" and getattr(schedule, f.name) != getattr(default, f.name):
+                ctx.error(
+                    ("schedule", f.name),
+                    f"read only by a run-wide schedule (schedule.kind: wsd or cosine); with kind '{schedule.kind}' each "
+                    f"stage's own stages.N.schedule.{f.name} applies",
+                )
+        return
+    if any(s is None for s in stages):  # the run's length is unknown: its fit is checked once the stages build
+        return
+    default = ScheduleConfig()
+    for i, st in enumerate(stages):
+        ignored = [f.name for f in dataclasses.fields(ScheduleConfig) if f.name not in REWARM_KEYS and getattr(st.schedule, f.name) != getattr(default, f.name)]
+        if ignored:
+            ctx.error(
+                ("stages", i, "schedule", ignored[0]),
+                f"{', '.join(ignored)}: not read under the run-wide schedule (schedule.kind: {schedule.kind}), where a stage may "
+                f"only ask for a re-warm ({', '.join(REWARM_KEYS)}); set the curve in the top-level schedule, or "
+                f"schedule.kind: stages for per-stage schedules",
+            )
+    if stages and stages[0].schedule.warmup_steps:
+        ctx.error(
+            ("stages", 0, "schedule", "warmup_steps"),
+            "the first stage starts the run: under a run-wide schedule its warmup is the top-level schedule.warmup_steps",
+        )
+    total = sum(s.steps for s in stages)
+    if schedule.warmup_steps > total:
+        ctx.error(("schedule", "warmup_steps"), f"{schedule.warmup_steps} warmup steps exceed the run's {total} steps (all stages)")
+    elif schedule.kind == "wsd" and total - schedule.decay_steps(total) < schedule.warmup_steps:
+        ctx.error(
+            ("schedule", "decay_fraction"),
+            f"wsd: the final decay ({schedule.decay_steps(total)} of the run's {total} steps) overlaps the "
+            f"{schedule.warmup_steps} warmup steps; lower decay_fraction or warmup_steps",
+        )
 
 
 def _check_recipe(model: ModelConfig | None, stages: list[StageConfig | None] | None, ctx: _Ctx) -> None:

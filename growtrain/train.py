@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from growtrain.checkpoint import (
     CheckpointConfig, CheckpointError, CheckpointManager, LoadedCheckpoint, dense_state_file_name, file_entry, shard_file_name, write_shard_file,
 )
+from growtrain.divergence import flat_metrics, format_line as format_sibling_line, sibling_divergence, sibling_parents
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
 from growtrain.distributed import Dist, is_peer_failure, resolve_attention_ranks, world_size_problems
 from growtrain.expert_shards import is_expert_tensor
@@ -302,6 +303,8 @@ class Run:
         self._bad_update: torch.Tensor | None = None  # non-finite parameter count after the last update, not yet read
         self.last_loss = math.nan
         self.last_eval = math.nan
+        self.stage_before: list[ModelConfig] = []  # [i]: the model before stage i's growth; [i + 1] after it
+        self.divergence: dict[str, dict] = {}  # stage name -> its end's sibling numbers (growtrain/divergence.py)
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -360,6 +363,7 @@ class Run:
         self.history = list(meta["growth_history"])
         self.wandb_id = meta.get("wandb_id")
         self.last_loss, self.last_eval = meta.get("loss", math.nan), meta.get("eval_loss", math.nan)
+        self.divergence = dict(meta.get("sibling_divergence", {}))
         if self.dist.is_main:
             self.metrics.truncate_after(pos.global_step)
         self.log(
@@ -414,6 +418,7 @@ class Run:
             "data_position": self.stream.state_dict(),  # for people (inspect); a resume reads trainer.pt's
             "tokenizer": self.tokenizer,
             "growth_history": self.history,
+            "sibling_divergence": self.divergence,
             "recipe": self.plain,
             "environment": self.env,
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -558,6 +563,7 @@ class Run:
         self.stream = TokenStream(corpus.train, recipe.seed)  # the seed orders a sharded stream's later epochs
         seed_shape = seed_model_config(recipe, corpus)
         shapes = plan_stage_models(seed_shape, [s.grow for s in recipe.stages])
+        self.stage_before = [seed_shape] + shapes
         self._check_parallel(shapes)
         probe = tuple(map(self.to_device, eval_batches(corpus.eval, recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len, 1)[0]))
 
@@ -716,7 +722,7 @@ class Run:
                     probe=probe,
                     invariance_cfg=self.recipe.invariance,
                     optimizer_cfg=self.recipe.optimizer,
-                    lr=stage.lr(0, self.recipe.optimizer.lr),
+                    lr=self.recipe.lr(pos.stage, 0),
                     log=self.console.write,
                 )
         except GrowthCheckFailed as exc:
@@ -760,6 +766,23 @@ class Run:
             self.tracker.log_metrics(router_kl, pos.global_step)
         maybe_fault("after_transition")
 
+    def _sibling_divergence(self, pos: Position, stage: StageConfig, top_k) -> dict[str, float]:
+        """How far the stage's sibling experts have moved apart (growtrain/divergence.py): kept for
+        the checkpoint (inspect), written to the console, returned as metrics."""
+        numbers = sibling_divergence(self.model, sibling_parents(self.stage_before, pos.stage), top_k)
+        if not numbers:
+            return {}
+        self.divergence[stage.name] = {str(i): n for i, n in numbers.items()}
+        for i, n in numbers.items():
+            self.console.write(f"siblings [{stage.name}]: {format_sibling_line(i, n)}")
+            if n["tied_pairs"]:
+                self.console.write(
+                    f"warning: siblings [{stage.name}]: MoE layer {i} ends the stage with {n['tied_pairs']} of {n['pairs']} sibling "
+                    "pairs still tied (same router row and bias: they act as one expert); train longer after the growth (a split's "
+                    "children separate as their router rows train), or clone with router_noise"
+                )
+        return flat_metrics(numbers)
+
     def _evaluate(self, evals, precision: str) -> float:
         """This rank's eval loss; an AF expert rank serves the attention ranks' calls (and counts 0),
         which under af_schedule: interleaved make two batches at a time."""
@@ -798,18 +821,18 @@ class Run:
             f"stage {pos.stage + 1}/{len(recipe.stages)} '{stage.name}': {self.num_parameters():,} params, "
             f"{stage.steps} steps of {tokens_per_step:,} tokens (seq {stage.seq_len} x batch {stage.batch_size} x accum {stage.grad_accum})"
         )
-        base_lr = recipe.optimizer.lr
         if self.device.type == "cuda":  # the stage's peak is its training's, not its growth's
             torch.cuda.reset_peak_memory_stats(self.device)
         t_last = time.perf_counter()
         self.progress.start_stage()
         while pos.stage_step < stage.steps:
-            lr = stage.lr(pos.stage_step, base_lr)
+            lr = recipe.lr(pos.stage, pos.stage_step)
             # The step's numbers stay on the device (float64, summed as Python floats would be)
             # and are read once, together, below: one host sync per step whatever the depth, the
             # MoE layers or the micro-batches (DESIGN.md §15).
             ce_acc = aux_acc = None
             loads = None
+            top_k = None
             af_clock.reset()
             t_passes = time.perf_counter()
             if expert_side:  # every micro-batch's MoE calls, forward and backward, until the attention ranks end the step
@@ -820,6 +843,7 @@ class Run:
                 ce_acc = ce_part if ce_acc is None else ce_acc + ce_part
                 aux_acc = aux_part if aux_acc is None else aux_acc + aux_part
                 loads = [s.load for s in stats] if loads is None else [a + s.load for a, s in zip(loads, stats)]
+                top_k = [s.top_k_indices for s in stats]
             if self.dist.af is not None and not expert_side:
                 end_calls(self.dist.af_lanes[0], self.device)
             loads = self.dist.global_loads(loads)
@@ -895,6 +919,8 @@ class Run:
             if stage_end or (recipe.train.eval_every and pos.global_step % recipe.train.eval_every == 0):
                 (self.last_eval,) = self.dist.mean(self._evaluate(evals, precision))
                 record["eval_loss"] = self.last_eval
+            if stage_end and not expert_side:
+                record.update(self._sibling_divergence(pos, stage, top_k))
             # A slow stage still talks every HEARTBEAT_S seconds (progress.py), whatever log_every says.
             line_due = pos.global_step % recipe.train.log_every == 0 or stage_end or self.progress.line_due()
             if line_due and self.device.type == "cuda":  # in metrics.jsonl too: the GPU checks read them there

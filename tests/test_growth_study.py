@@ -81,9 +81,23 @@ def test_the_study_trains_three_arms_per_seed_at_the_grown_runs_flops(tmp_path, 
     raw = {**MICRO, "stages": MICRO["stages"][:2]}  # dense -> moe: a few seconds a run
     recipe = tmp_path / "micro.yaml"
     recipe.write_text(yaml.safe_dump(raw, sort_keys=False))
-    assert study.main(["--recipe", str(recipe), "--seeds", "0,1", "--out", str(tmp_path / "runs"), "--json"]) == 0
+    args = ["--recipe", str(recipe), "--seeds", "0,1", "--out", str(tmp_path / "runs"), "--schedules", "wsd", "--grow-at", "0.75", "--json"]
+    assert study.main(args) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result["arms"]) == {"grown", "scratch", "dense"}
+    assert set(result["arms"]) == {"grown", "grown-wsd", "scratch", "dense"}
+    # The run-wide arm trains the same steps at the same shapes (one scratch arm serves both), on another LR curve.
+    for g, w in zip(result["arms"]["grown"], result["arms"]["grown-wsd"]):
+        assert (g["steps"], g["flops"]) == (w["steps"], w["flops"]) and g["final_eval_loss"] != w["final_eval_loss"]
+    assert set(result["variants"]) == {"grown", "grown-wsd"}
+    # One excursion per growth and seed: the held-out loss at the dense stage's end, the worst after.
+    assert [(e["seed"], e["transition"], e["operators"]) for e in result["excursions"]] == [(0, "moe", ["upcycle_moe"]), (1, "moe", ["upcycle_moe"])]
+    for e in result["excursions"]:
+        assert e["relative"] == pytest.approx((e["worst_after"] - e["before"]) / e["before"])
+    # The 4 upcycled experts are copies of one FFN: 6 sibling pairs at the MoE stage's end.
+    assert result["sibling_divergence"]["0"]["moe"]["0"]["pairs"] == 6
+    (point,) = result["grow_at"]
+    assert point["fraction"] == 0.75 and point["seed"] == 0 and point["seed_steps"] > 8
+    assert point["flops"] == pytest.approx(result["arms"]["grown"][0]["flops"], rel=0.1)
     for seed in (0, 1):
         grown, scratch, dense = (result["arms"][arm][seed] for arm in ("grown", "scratch", "dense"))
         assert grown["seed"] == scratch["seed"] == dense["seed"] == seed
@@ -104,3 +118,25 @@ def test_the_study_trains_three_arms_per_seed_at_the_grown_runs_flops(tmp_path, 
     else:
         assert result["flops_ratio_to_scratch_loss"] is None
     assert "seeds 0, 1" in study.format_table(result)
+
+
+def test_the_scratch_arm_is_the_same_whether_the_grown_run_is_scheduled_per_stage_or_run_wide():
+    from growtrain.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(MICRO)
+    wide = study.run_wide(recipe, "wsd")
+    assert wide.schedule.run_wide and all(s.schedule.warmup_steps == 0 for s in wide.stages)
+    shape = recipe.model.with_changes(vocab_size=300)
+    a, b = study.one_stage(recipe, "scratch", shape, 1e9), study.one_stage(wide, "scratch", shape, 1e9)
+    assert a.stages == b.stages and not a.schedule.run_wide and not b.schedule.run_wide
+    assert a.stages[0].schedule.warmup_steps == recipe.stages[0].schedule.warmup_steps
+
+
+@pytest.mark.parametrize("name", ["tiny"])
+def test_the_shipped_recipes_are_their_per_stage_versions_under_one_run_wide_wsd(name):
+    """So the study's `grown-wsd` arm of benchmarks/recipes/NAME-per-stage.yaml is the shipped recipe."""
+    from growtrain.recipe import load_recipe
+
+    per_stage = load_recipe(REPO / "benchmarks" / "recipes" / f"{name}-per-stage.yaml")
+    assert not per_stage.schedule.run_wide
+    assert study.run_wide(per_stage, "wsd") == load_recipe(REPO / "recipes" / f"{name}.yaml")
