@@ -91,16 +91,7 @@ class RunScheduleConfig:
 
     def lr(self, step: int, total: int, peak: float) -> float:
         """LR at run-wide optimizer step `step` (0-based) of a run of `total` steps."""
-        if step < self.warmup_steps:
-            return peak * (step + 1) / self.warmup_steps
-        floor = peak * self.min_lr_ratio
-        if self.kind == "cosine":
-            progress = min(1.0, (step - self.warmup_steps + 1) / max(1, total - self.warmup_steps))
-            return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-        decay_start = total - self.decay_steps(total)
-        if step < decay_start:
-            return peak
-        return peak - (peak - floor) * min(1.0, (step - decay_start + 1) / self.decay_steps(total))
+        return schedule_lr(self.kind, step, total, self.warmup_steps, peak, self.min_lr_ratio, self.decay_fraction)
 
 
 # A stage's schedule keys that a run-wide schedule reads (its re-warm); the others would be ignored.
@@ -144,21 +135,26 @@ class StageConfig:
     def lr(self, step: int, base_lr: float) -> float:
         """LR at optimizer step `step` (0-based) of this stage: the stage's schedule as a lookup."""
         s = self.schedule
-        peak = s.peak_lr or base_lr
-        if step < s.warmup_steps:
-            return peak * (step + 1) / s.warmup_steps
-        floor = peak * s.min_lr_ratio
-        if s.kind == "constant":
-            return peak
-        if s.kind == "cosine":
-            span = max(1, self.steps - s.warmup_steps)
-            progress = min(1.0, (step - s.warmup_steps + 1) / span)
-            return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-        decay_steps = max(1, round(self.steps * s.decay_fraction))
-        decay_start = self.steps - decay_steps
-        if step < decay_start:
-            return peak
-        return peak - (peak - floor) * (step - decay_start + 1) / decay_steps
+        return schedule_lr(s.kind, step, self.steps, s.warmup_steps, s.peak_lr or base_lr, s.min_lr_ratio, s.decay_fraction)
+
+
+def schedule_lr(kind: str, step: int, total: int, warmup: int, peak: float, min_lr_ratio: float, decay_fraction: float) -> float:
+    """LR at step `step` (0-based) of a `total`-step curve: a linear warmup over `warmup` steps to
+    `peak`, then flat (constant), one cosine (cosine) or flat and a linear decay over the last
+    `decay_fraction` of the steps (wsd), to `min_lr_ratio` of the peak on the last step."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    floor = peak * min_lr_ratio
+    if kind == "constant":
+        return peak
+    if kind == "cosine":
+        progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
+        return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(total * decay_fraction))
+    decay_start = total - decay_steps
+    if step < decay_start:
+        return peak
+    return peak - (peak - floor) * min(1.0, (step - decay_start + 1) / decay_steps)
 
 
 def _expert_backend_problem(name: str) -> str | None:
