@@ -78,25 +78,33 @@ def test_per_stage_schedules_are_unchanged_by_default():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda r: r["stages"][1]["schedule"].update(kind="wsd", min_lr_ratio=0.2), "kind, min_lr_ratio: not read under the run-wide schedule"),
+        (lambda r: r["stages"][1]["schedule"].update(kind="wsd", min_lr_ratio=0.2), "stages.1.schedule.kind: kind, min_lr_ratio: not read"),
         (lambda r: r["stages"][1]["schedule"].update(min_lr_ratio=0.2), "min_lr_ratio: not read under the run-wide schedule"),
         (lambda r: r["stages"][0].update(schedule={"warmup_steps": 3}), "the first stage starts the run"),
         (lambda r: r["schedule"].update(warmup_steps=21), "21 warmup steps exceed the run's 20 steps"),
         (lambda r: r["schedule"].update(decay_fraction=0.95), "wsd: the final decay (19 of the run's 20 steps) overlaps the 2 warmup steps"),
         (lambda r: r.update(schedule={"kind": "stages", "min_lr_ratio": 0.2}), "read only by a run-wide schedule"),
-        (lambda r: r["schedule"].update(kind="linear"), "schedule.kind"),
+        (lambda r: r["schedule"].update(kind="linear"), "schedule.kind: "),
     ],
 )
-def test_validate_explains_every_bad_combination(tmp_path, change, message):
+def test_every_bad_combination_is_explained(change, message):
     raw = run_wide("wsd")
     change(raw)
-    path = tmp_path / "bad.yaml"
+    with pytest.raises(RecipeError) as exc:
+        recipe_from_dict(raw)
+    assert any(message in p for p in exc.value.problems), exc.value.problems
+
+
+def test_validate_names_a_stage_setting_the_run_wide_schedule_would_ignore(tmp_path):
     import yaml
 
+    raw = run_wide("wsd")
+    raw["stages"][2]["schedule"] = {"kind": "cosine", "min_lr_ratio": 0.3}
+    path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     done = run_cli("validate", path)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert message in done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "stages.2.schedule.min_lr_ratio (line" in done.stderr and "not read under the run-wide schedule (schedule.kind: wsd)" in done.stderr
 
 
 def test_validate_shows_the_schedule_and_each_stages_first_and_last_lr(tmp_path):
