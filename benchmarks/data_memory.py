@@ -90,6 +90,8 @@ def short_recipe(source: str, steps: int) -> dict:
     for stage in raw["stages"]:
         stage["steps"] = steps
         stage.get("schedule", {}).pop("warmup_steps", None)
+    if "schedule" in raw:  # the run-wide schedule's warmup would outlast a few steps
+        raw["schedule"]["warmup_steps"] = 0
     raw["train"] = {**raw.get("train", {}), "log_every": 1000, "eval_every": 0, "eval_batches": 1}
     raw["tracking"] = {"wandb": {"mode": "disabled"}, "progress_bar": False}
     return raw

@@ -89,15 +89,13 @@ if [ "$CPU" -eq 0 ] && want 6; then
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ "$NGPU" -ge 2 ]; then
     timeout 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m growtrain run tiny --out "$OUT/ep_run" \
-      --set stages.0.steps=20 --set stages.0.schedule.warmup_steps=5 --set stages.1.steps=10 --set stages.1.schedule.warmup_steps=2 \
-      --set stages.2.steps=10 --set stages.2.schedule.warmup_steps=2 --set stages.3.steps=5 --set stages.3.schedule.warmup_steps=1 \
+      --set stages.0.steps=20 --set stages.1.steps=10 --set stages.2.steps=10 --set stages.3.steps=5 --set schedule.warmup_steps=5 \
       --set tracking.wandb.mode=disabled --set invariance.probe_batch_size=$(( NGPU > 4 ? NGPU : 4 )) 2>&1 | tail -40 | tee "$OUT/ep_run.txt"
     RC[6_torchrun_nccl]=${PIPESTATUS[0]}
     # The AF layout on the node: half the GPUs attention ranks, two micro-batches in flight on each
     # (interleaved: grad_accum 2); then every schedule against the planner (benchmarks/af_pipeline.py).
     timeout 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m growtrain run tiny --out "$OUT/af_run" \
-      --set stages.0.steps=20 --set stages.0.schedule.warmup_steps=5 --set stages.1.steps=10 --set stages.1.schedule.warmup_steps=2 \
-      --set stages.2.steps=10 --set stages.2.schedule.warmup_steps=2 --set stages.3.steps=5 --set stages.3.schedule.warmup_steps=1 \
+      --set stages.0.steps=20 --set stages.1.steps=10 --set stages.2.steps=10 --set stages.3.steps=5 --set schedule.warmup_steps=5 \
       --set tracking.wandb.mode=disabled --set distributed.layout=af --set distributed.attention_ranks=$(( NGPU / 2 )) \
       --set distributed.af_schedule=interleaved --set stages.0.grad_accum=2 --set stages.1.grad_accum=2 --set stages.2.grad_accum=2 \
       --set stages.3.grad_accum=2 2>&1 | tail -40 | tee "$OUT/af_run.txt"

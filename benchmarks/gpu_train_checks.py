@@ -48,7 +48,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = {"dense": 60, "moe": 40, "deep": 30, "nf4": 10}  # the tiny recipe's stages, shortened
-WARMUP = {"dense": 10, "moe": 10, "deep": 5, "nf4": 2}
+WARMUP = 10  # steps of the run-wide schedule's warmup (the recipe re-warms at no growth)
 COMPARE_STEPS = 20
 LOSS_BAR = 0.03  # bf16-class bar: Triton's fp32 accumulation order vs the CPU reference, 20 steps
 FORK_AT = 25  # the CPU reference continues the device run from this step's checkpoint
@@ -59,7 +59,7 @@ KILL_AT = 75  # a step of the 'moe' stage, after a checkpoint (every 25 below)
 # reference run from FORK_AT_CPU (in 'deep'), checkpoints every CHECKPOINT_EVERY_CPU steps, and is
 # killed at KILL_AT_CPU; its resume crosses the growth into 'nf4' (at 65).
 STEPS_CPU = {"dense": 20, "moe": 15, "deep": 30, "nf4": 5}
-WARMUP_CPU = {"dense": 5, "moe": 3, "deep": 5, "nf4": 1}
+WARMUP_CPU = 5
 FORK_AT_CPU = 50
 CHECKPOINT_EVERY_CPU = 5
 KILL_AT_CPU = 63
@@ -72,8 +72,11 @@ def recipe_sets(device: str, backend: str, short: bool) -> list[str]:
             "--set", "train.log_every=5", "--set", "train.eval_every=25", "--set", "checkpoint.every_steps=25", "--set", "checkpoint.keep_last=10",
             # deterministic kernels: a resumed run must repeat the uninterrupted one's bits
             "--set", "train.deterministic=true"]
+    # The tiny recipe runs one run-wide schedule: its warmup is the first stage's, and the later
+    # stages continue the run's curve (no re-warm).
+    sets += ["--set", f"schedule.warmup_steps={warmup}"]
     for i, name in enumerate(steps):
-        sets += ["--set", f"stages.{i}.steps={steps[name]}", "--set", f"stages.{i}.schedule.warmup_steps={warmup[name]}"]
+        sets += ["--set", f"stages.{i}.steps={steps[name]}"]
     return sets
 
 

@@ -21,7 +21,9 @@ are laid out round-robin (stages/operators/experts.py: child j of parent e is ex
 expert i's parent is i mod P, P the experts before that stage (1 where the model was dense: every
 upcycled expert is a copy of the one FFN). Under expert parallelism or the AF layout a process
 holds a slice of the experts, so the weight cosines are left out there (None); the router's
-numbers are whole on every process.
+numbers are whole on every process. The weight cosines go sibling group by sibling group, in
+float64 chunks of the flattened weights: the pass never holds a float64 copy of a layer's experts
+(NF4: one group's dequantized weights at a time).
 
 Legend: E experts, P parents, D d_model, T tokens, K top-k.
 """
@@ -57,17 +59,33 @@ def _cosines(gram_EE: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.T
     return gram_EE[a, b] / (norm_E[a] * norm_E[b]).clamp_min(torch.finfo(gram_EE.dtype).tiny)
 
 
-def _weight_gram(experts) -> torch.Tensor:
-    """Σ over the expert's matrices of W_i · W_j (flattened), float64, [E, E]."""
-    if hasattr(experts, "merged"):  # NF4 base + LoRA
-        mats = [experts.merged(m) for m in ("w_gate", "w_up", "w_down")]
-    else:
-        mats = [experts.w_gate, experts.w_up, experts.w_down]
-    gram = None
-    for w in mats:
-        w_EN = w.detach().reshape(w.shape[0], -1).double()
-        g = w_EN @ w_EN.T
-        gram = g if gram is None else gram + g
+# Elements of one float64 chunk of the flattened experts in the Gram products: the pass holds
+# a few such chunks at a time, never a float64 copy of a layer's experts.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _group_gram(experts, members: range) -> torch.Tensor:
+    """Σ over the experts' matrices of W_i · W_j (flattened), float64, for i, j in `members` (a
+    range with a step). Full-precision experts are read through a view; NF4 experts are
+    dequantized (base plus LoRA update) for these experts only."""
+    nf4 = hasattr(experts, "merged")
+    device = experts.w_gate_lora_A.device if nf4 else experts.w_gate.device
+    G, pick = len(members), slice(members.start, members.stop, members.step)
+    gram = torch.zeros(G, G, dtype=torch.float64, device=device)
+    for m in ("w_gate", "w_up", "w_down"):
+        if nf4:  # [G, rows, cols] in the stored layout, base + scale · B @ A
+            from growtrain.model.nf4 import dequantize_stack
+
+            A, B = getattr(experts, f"{m}_lora_A")[pick].float(), getattr(experts, f"{m}_lora_B")[pick].float()
+            delta = experts.scale * (B @ A)
+            w = dequantize_stack(experts.stack(m), list(members)) + (delta.transpose(1, 2) if m == "w_down" else delta)
+        else:
+            w = getattr(experts, m).detach()[pick]
+        w_GN = w.reshape(G, -1)
+        step = max(1, CHUNK_ELEMENTS // G)
+        for lo in range(0, w_GN.shape[1], step):
+            c_GN = w_GN[:, lo : lo + step].double()
+            gram += c_GN @ c_GN.T
     return gram
 
 
@@ -94,9 +112,16 @@ def layer_divergence(layer, parents: int, top_k_indices_TK: torch.Tensor | None,
         "weight_cos_max": None,
         "topk_two_siblings": None,
     }
-    if with_weights:
-        gram_EE = _weight_gram(layer.experts)
-        weight_cos = _cosines(gram_EE, a.to(gram_EE.device), b.to(gram_EE.device))
+    if with_weights:  # sibling group by sibling group: the pass holds one group's weights at a time
+        cos = []
+        for parent in range(parents):
+            members = range(parent, E, parents)
+            if len(members) < 2:
+                continue
+            ga, gb = torch.triu_indices(len(members), len(members), offset=1)
+            gram = _group_gram(layer.experts, members)
+            cos.append(_cosines(gram, ga.to(gram.device), gb.to(gram.device)))
+        weight_cos = torch.cat(cos)
         out["weight_cos_mean"], out["weight_cos_max"] = float(weight_cos.mean()), float(weight_cos.max())
     if top_k_indices_TK is not None and top_k_indices_TK.numel() and parents > 1:  # of one parent, any two picks are siblings
         parent_TK = (top_k_indices_TK % parents).sort(dim=-1).values

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from growtrain.checkpoint import (
     CheckpointConfig, CheckpointError, CheckpointManager, LoadedCheckpoint, dense_state_file_name, file_entry, shard_file_name, write_shard_file,
 )
-from growtrain.divergence import flat_metrics, format_line as format_sibling_line, sibling_divergence, sibling_parents
 from growtrain.data import Corpus, TokenStream, eval_batches, load_corpus
+from growtrain.divergence import flat_metrics, format_line as format_sibling_line, sibling_divergence, sibling_parents
 from growtrain.distributed import Dist, is_peer_failure, resolve_attention_ranks, world_size_problems
 from growtrain.expert_shards import is_expert_tensor
 from growtrain import collective_guard, memtrace

@@ -194,3 +194,27 @@ def test_tied_pairs_weight_cosines_and_sibling_picks_are_counted_per_pair():
         layer.router.balance_bias[2] += 1e-3  # a different selection bias: no longer tied
     assert layer_divergence(layer, 2, None, False)["tied_pairs"] == 0
     assert sibling_divergence(model, None) == {} and sibling_divergence(model, 4) == {}  # no siblings
+
+
+@pytest.mark.parametrize("fmt", ["full", "nf4"])
+def test_weight_cosines_by_sibling_group_and_chunk_match_the_whole_layers_merged_weights(fmt, monkeypatch):
+    import growtrain.divergence as divergence
+    from growtrain.model.config import ExpertLoRAConfig
+
+    moe = MoEConfig(num_experts=6, top_k=2, expert_hidden=64, expert_format=fmt, double_quant=False, lora=ExpertLoRAConfig(r=4, lora_alpha=8.0))
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, moe=moe, moe_layers=(0,))
+    torch.manual_seed(1)
+    experts = GrowLM(cfg).moe_layers[0].experts
+    if fmt == "nf4":
+        with torch.no_grad():  # nonzero adapters, so the LoRA update (and w_down's layout) counts
+            for m in ("w_gate", "w_up", "w_down"):
+                getattr(experts, f"{m}_lora_B").normal_(0, 0.05)
+        whole = [experts.merged(m) for m in ("w_gate", "w_up", "w_down")]
+    else:
+        whole = [experts.w_gate.detach(), experts.w_up.detach(), experts.w_down.detach()]
+    flat_EN = torch.cat([w.reshape(6, -1).double() for w in whole], dim=1)
+    want = flat_EN @ flat_EN.T
+    monkeypatch.setattr(divergence, "CHUNK_ELEMENTS", 1000)  # many chunks per matrix
+    members = range(1, 6, 2)  # one sibling group of 2 parents
+    got = divergence._group_gram(experts, members)
+    assert torch.allclose(got, want[list(members)][:, list(members)], rtol=1e-10, atol=0)
