@@ -87,7 +87,7 @@ class RunScheduleConfig:
         return self.kind != "stages"
 
     def decay_steps(self, total: int) -> int:
-        return max(1, round(total * self.decay_fraction))
+        return decay_steps(total, self.decay_fraction)
 
     def lr(self, step: int, total: int, peak: float) -> float:
         """LR at run-wide optimizer step `step` (0-based) of a run of `total` steps."""
@@ -150,11 +150,16 @@ def schedule_lr(kind: str, step: int, total: int, warmup: int, peak: float, min_
     if kind == "cosine":
         progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
         return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-    decay_steps = max(1, round(total * decay_fraction))
-    decay_start = total - decay_steps
+    decay = decay_steps(total, decay_fraction)
+    decay_start = total - decay
     if step < decay_start:
         return peak
-    return peak - (peak - floor) * min(1.0, (step - decay_start + 1) / decay_steps)
+    return peak - (peak - floor) * min(1.0, (step - decay_start + 1) / decay)
+
+
+def decay_steps(total: int, decay_fraction: float) -> int:
+    """Steps of a wsd schedule's final decay over `total` steps (at least one)."""
+    return max(1, round(total * decay_fraction))
 
 
 def _expert_backend_problem(name: str) -> str | None:
@@ -829,7 +834,7 @@ def _check_recipe(model: ModelConfig | None, stages: list[StageConfig | None] | 
         if stage.schedule.warmup_steps > stage.steps:
             ctx.error(("stages", i, "schedule", "warmup_steps"), f"{stage.schedule.warmup_steps} warmup steps exceed the stage's {stage.steps} steps")
         elif stage.schedule.kind == "wsd":
-            decay = max(1, round(stage.steps * stage.schedule.decay_fraction))  # as in StageConfig.lr
+            decay = decay_steps(stage.steps, stage.schedule.decay_fraction)
             if stage.steps - decay < stage.schedule.warmup_steps:
                 ctx.error(
                     ("stages", i, "schedule", "decay_fraction"),
