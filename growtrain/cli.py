@@ -21,6 +21,7 @@ examples:
   growtrain generate runs/tiny --prompt "The "         sample from the newest checkpoint
   growtrain plot runs/tiny runs/other --out loss.png   loss against tokens and counted FLOPs, growth marked
   growtrain export-adapters runs/tiny out/adapters     NF4 experts' LoRA (and peft adapters) in peft's layout
+  growtrain export-hf runs/tiny --out out/tiny-hf      a folder transformers loads (trust_remote_code=True)
   growtrain prepare-data corpus/ --out data/corpus     tokenize once into token shards; then data.source: data/corpus
 """
 
@@ -125,6 +126,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path, help="run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("out_dir", type=Path, help="directory to write the adapter files into")
     p.add_argument("--base", action="store_true", help="also write the base model (base_model.safetensors + base_model_config.json)")
+
+    p = sub.add_parser("export-hf", help="write a checkpoint as a folder transformers loads (AutoModelForCausalLM, trust_remote_code)",
+                       description="Write the model of a checkpoint as a folder that transformers loads with "
+                       "AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) and AutoTokenizer.from_pretrained(DIR), "
+                       "with only torch and transformers installed: config.json, the remote-code files configuration_growlm.py and "
+                       "modeling_growlm.py, sharded safetensors with an index, tokenizer files, generation_config.json and a model "
+                       "card (README.md). NF4 experts and peft LoRA are merged into the weights (dequantize(base) + scale * B @ A). "
+                       "Any checkpoint the trainer writes exports: one process, expert-parallel or AF shards, NF4 + LoRA (optimizer "
+                       "state is not exported). Tensors are streamed a chunk at a time: memory stays flat whatever the model size. "
+                       "The folder appears only when complete.",
+                       epilog="Evaluate it offline with lm-evaluation-harness (pip install 'growtrain[eval]'); the tasks are in the\n"
+                       "repository's evals/ folder, installed as growtrain.evals (the command printed at the end names its path):\n"
+                       "  lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --include_path evals \\\n"
+                       "          --tasks growtrain_heldout_ppl,growtrain_facts_mc --device cpu",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", type=Path, help="run directory (its newest intact checkpoint) or a checkpoint directory")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write (new or empty; see --overwrite)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the exported weights (default float32: the trained function; the router stays float32)")
+    p.add_argument("--experts", choices=["merged", "nf4"], default="merged",
+                   help="NF4 experts: merged (default) into full-precision weights, dequantize(base) + scale * B @ A; nf4 is refused "
+                   "with the reason (no transformers quantizer reads stacked NF4 experts with per-expert LoRA)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors file (default 5GB; e.g. 500MB, 2GiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only once the new export is complete)")
 
     p = sub.add_parser("prepare-data", help="tokenize a source once into memory-mapped token shards (then data.source: DIR)",
                        description="Read SOURCE (anything data.source reads: builtin:pydoc_topics, builtin:python_stdlib, a "
@@ -233,7 +258,7 @@ def _user_error_code(exc: Exception) -> int | None:
         return 2
     if environment_error(exc) is not None:
         return 2
-    export = sys.modules.get("growtrain.export")  # loaded by export-adapters only
+    export = sys.modules.get("growtrain.export")  # loaded by export-adapters and export-hf only
     if export is not None and isinstance(exc, export.ExportError):
         return 2
     plot = sys.modules.get("growtrain.plot")  # loaded by `plot`
@@ -383,6 +408,21 @@ def cmd_export_adapters(args) -> int:
     return 0
 
 
+def cmd_export_hf(args) -> int:
+    from growtrain.hf_export import export_hf
+
+    summary = export_hf(args.checkpoint, args.out, args.dtype, args.experts, args.max_shard_size, args.overwrite)
+    evals = Path(__import__("growtrain.evals").evals.__file__).parent
+    print(
+        f"exported {summary['checkpoint']} to {summary['out']}: {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB "
+        f"{summary['dtype']} in {len(summary['files'])} file(s), {summary['seconds']:.1f} s\n"
+        f"load it:     AutoModelForCausalLM.from_pretrained({str(summary['out'])!r}, trust_remote_code=True)\n"
+        f"evaluate it: lm_eval --model hf --model_args pretrained={summary['out']},trust_remote_code=True "
+        f"--include_path {evals} --tasks growtrain_heldout_ppl,growtrain_facts_mc --device cpu"
+    )
+    return 0
+
+
 def cmd_plan(args) -> int:
     from growtrain.planning import format_plan, get_hardware, plan_recipe
     from growtrain.recipe import load_recipe
@@ -485,6 +525,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "plot": cmd_plot,
     "export-adapters": cmd_export_adapters,
+    "export-hf": cmd_export_hf,
     "plan": cmd_plan,
     "prepare-data": cmd_prepare_data,
     "check-data": cmd_check_data,

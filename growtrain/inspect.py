@@ -10,11 +10,13 @@ from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointMa
 from growtrain.divergence import format_line as format_sibling_line
 
 
-def _checkpoint_dir(path: Path) -> tuple[Path, list[str], list[dict]]:
+def find_checkpoint(path: Path) -> tuple[Path, list[str], list[dict]]:
     """(the checkpoint to show, its problems, the newer damaged ones skipped to reach it). A
     checkpoint named directly is shown even when damaged, with its problems, as long as its
     meta.json is intact; a run directory shows its newest intact checkpoint."""
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
     if (path / "manifest.json").is_file():
         problems = verify_checkpoint(path)
         if any(p.startswith(("meta.json", "manifest.json")) for p in problems):
@@ -77,7 +79,13 @@ def _stored_weights(meta: dict) -> tuple[int, dict[tuple[int, int], tuple[int, i
 
 
 def inspect_report(path: Path) -> dict:
-    ckpt, problems, skipped = _checkpoint_dir(path)
+    ckpt, problems, skipped = find_checkpoint(path)
+    return checkpoint_report(ckpt, problems, skipped)
+
+
+def checkpoint_report(ckpt: Path, problems: list[str] | None = None, skipped: list[dict] | None = None) -> dict:
+    """The report of checkpoint dir `ckpt` (found and verified by find_checkpoint) from its meta.json."""
+    problems, skipped = problems or [], skipped or []
     meta = read_meta(ckpt)
     cfg = meta["model_config"]
     weights_total, record_weights = _stored_weights(meta)

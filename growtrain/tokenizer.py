@@ -90,6 +90,7 @@ class HFTokenizerFile:
                 "name the one it uses"
             )
         self.eos_id = int(eos_id)
+        self.eos_token = token
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), self.eos_id + 1)
         self.name = str(file)
 

@@ -76,6 +76,12 @@ def test_2_plus_2_and_1_plus_2_train_as_one_process_and_grow_alike(af_runs):
     assert "saved by    4 processes in an AF layout (2 attention + 2 expert ranks" in r.stdout
 
 
+def test_export_hf_of_an_af_checkpoint_holds_the_weights_growtrain_assembles_from_it(af_runs, tmp_path):
+    from test_export_hf import assert_export_holds_the_checkpoints_weights
+
+    assert assert_export_holds_the_checkpoints_weights(af_runs[(2, 2)], tmp_path / "hf") > 0
+
+
 def _resume_from(src, dst, newest_kept: str):
     shutil.copytree(src, dst)
     for ckpt in sorted((dst / "checkpoints").glob("step-*")):

@@ -440,6 +440,12 @@ def test_inspect_and_generate_read_a_checkpoint_saved_under_expert_parallelism(e
         assert opt_s[name]["exp_avg"].shape == opt_w[name]["exp_avg"].shape, name
 
 
+def test_export_hf_of_an_ep4_checkpoint_holds_the_weights_growtrain_assembles_from_it(ep_runs, tmp_path):
+    from test_export_hf import assert_export_holds_the_checkpoints_weights
+
+    assert assert_export_holds_the_checkpoints_weights(ep_runs[4], tmp_path / "hf") > 0
+
+
 def test_a_single_process_run_has_no_expert_shards(micro_recipe, tmp_path):
     recipe = micro_recipe({"stages": [{"name": "only", "steps": 1, "seq_len": 16, "batch_size": 2}]})
     r = run_cli("run", recipe, "--out", tmp_path / "one")

@@ -142,6 +142,11 @@ def test_the_built_wheel_installed_in_a_fresh_venv_validates_and_trains_outside_
     assert (user / "run" / "checkpoints" / "latest").is_file()
     plotted = subprocess.run([str(growtrain), "plot", "run", "--out", "loss.png"], cwd=user, capture_output=True, text=True, env=cli_env(), timeout=300)
     assert plotted.returncode == 0 and (user / "loss.png").stat().st_size > 0, plotted.stderr[-3000:]
+    exported = subprocess.run([str(growtrain), "export-hf", "run", "--out", "hf"], cwd=user, capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert {"modeling_growlm.py", "configuration_growlm.py", "model.safetensors", "tokenizer.json"} <= {p.name for p in (user / "hf").iterdir()}
+    evals = Path(exported.stdout.split("--include_path ")[1].split()[0])  # the installed evaluation tasks
+    assert evals.is_relative_to(purelib) and (evals / "growtrain_heldout_ppl.yaml").is_file() and (evals / "data" / "heldout.jsonl").is_file()
     # prepare-data from the wheel (its worker processes import the installed package), then the
     # same run on the shards: the same losses.
     micro = short_micro()
