@@ -245,7 +245,7 @@ def _merged_dense_lora(cfg: ModelConfig, src: CheckpointTensors, name: str):
     lora = cfg.dense_lora
     if lora is None:
         raise ExportError(f"{name}: peft LoRA tensors in a checkpoint whose model config has no dense_lora")
-    scale = lora.lora_alpha / (math.sqrt(lora.r) if lora.use_rslora else lora.r)
+    scale = lora.scale
     A = src.read(a).float()  # [r, in]: small
 
     def rows(lo: int, hi: int) -> torch.Tensor:

@@ -191,7 +191,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", list(VARIANTS) + ["run"])
 def test_exported_model_gives_growtrains_logits_in_transformers_without_growtrain(exported, name):
     refs, results, _ = exported
-    assert "growtrain" not in results[name]["modules"]
+    # growtrain could not be imported; nor were peft or bitsandbytes (what transformers itself
+    # imports where installed, accelerate and triton, is its own business).
+    assert not {"growtrain", "peft", "bitsandbytes"} & set(results[name]["modules"])
     assert _rel(results[name]["logits"], refs[name]["logits"]) < 1e-5
 
 

@@ -36,6 +36,11 @@ class DenseLoRAConfig:
         metadata={"doc": "Names of the nn.Linear modules to adapt (peft suffix match): wq, wk, wv, wo, w_gate, w_up, w_down (dense FFN and shared expert), lm_head."},
     )
 
+    @property
+    def scale(self) -> float:
+        """peft's scaling of the update B @ A."""
+        return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
+
     def __post_init__(self):
         if isinstance(self.target_modules, list):  # from a checkpoint's plain-dict model_config
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
