@@ -486,7 +486,7 @@ def model_card(report: dict, meta: dict, settings: dict) -> str:
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH", trust_remote_code=True)',
         'ids = tokenizer("The ", return_tensors="pt").input_ids',
         "print(tokenizer.decode(model.generate(ids, max_new_tokens=50, do_sample=False)[0]))",
         "```",
