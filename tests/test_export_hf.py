@@ -401,3 +401,20 @@ def assert_export_holds_the_checkpoints_weights(run_dir: Path, out: Path) -> int
     for name, t in want.items():
         assert torch.equal(got[name], t), name
     return len(got)
+
+
+def test_the_exported_byte_tokenizer_matches_growtrains_on_random_ids_and_text_invalid_utf8_included():
+    """The tokenizers file `export-hf` writes for the byte tokenizer, against ByteTokenizer itself:
+    random id sequences (cut multi-byte characters, stray continuation bytes, EOS) decode alike
+    (both replace invalid UTF-8 the same way), random text encodes alike."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    exported, ours = Tokenizer.from_str(hf_export.byte_tokenizer_json()), ByteTokenizer()
+    rng = random.Random(0)
+    for _ in range(2000):
+        ids = [rng.choice([rng.randrange(256), rng.randrange(128), 0xC3, 0xE2, 0x82, 0xAC, 0xF0, 256]) for _ in range(rng.randrange(1, 12))]
+        assert exported.decode(ids, skip_special_tokens=True) == ours.decode(ids), ids
+        text = "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x800), rng.randrange(0x800, 0xD800), rng.randrange(0x10000, 0x10FFFF), 10, 9])) for _ in range(rng.randrange(0, 10)))
+        assert exported.encode(text, add_special_tokens=False).ids == ours.encode(text), text
