@@ -96,6 +96,11 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
         )
     if recipe.optimizer.dense_state_bits == 8:
         problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
+    if recipe.model.block == "residual":
+        problems.append(
+            "model.block: residual trains in one process for now: expert parallelism and the AF layout are built and "
+            "tested on coupling blocks (their recompute and growth on shards); use one process, or block: coupling"
+        )
     return problems
 
 

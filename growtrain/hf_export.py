@@ -42,6 +42,7 @@ from growtrain.checkpoint import META_FILE, MODEL_FILE, CheckpointError, read_me
 from growtrain.durable import fsync_dir, fsync_file
 from growtrain.expert_shards import expert_range, is_expert_tensor
 from growtrain.export import ExportError, base_config
+from growtrain.hf_native import native_class, native_config, native_tensors
 from growtrain.model.config import ModelConfig
 from growtrain.model.nf4 import MATRICES
 from growtrain.tokenizer import CHECKPOINT_TOKENIZER
@@ -168,7 +169,7 @@ class CheckpointTensors:
 
 @dataclass
 class OutTensor:
-    name: str  # the name in the exported model (GrowLMForCausalLM's state dict)
+    name: str  # growtrain's base-model name, then the exported model's (hf_name, hf_native)
     shape: tuple[int, ...]
     dtype: torch.dtype
     rows: Callable[[int, int], torch.Tensor]  # rows [lo, hi) along dim 0, float32 or the source dtype
@@ -204,7 +205,8 @@ def _keeps_fp32(name: str) -> bool:
 
 
 def plan_tensors(cfg: ModelConfig, src: CheckpointTensors, dtype: torch.dtype) -> list[OutTensor]:
-    """Every tensor of the exported model, in GrowLM's state-dict order, each with how to make it;
+    """Every tensor of the base model (NF4 and LoRA merged), under growtrain's names, in GrowLM's
+    state-dict order, each with how to make it;
     ExportError for a checkpoint tensor that nothing would write (a format this exporter does not know)."""
     from growtrain.model import GrowLM
 
@@ -225,7 +227,7 @@ def plan_tensors(cfg: ModelConfig, src: CheckpointTensors, dtype: torch.dtype) -
         if name in src and src.shape(name) != shape:
             raise ExportError(f"{name}: the checkpoint's tensor has shape {src.shape(name)}, its model config says {shape}")
         used.update(parts)
-        out.append(OutTensor(hf_name(name), shape, torch.float32 if _keeps_fp32(name) else dtype, rows))
+        out.append(OutTensor(name, shape, torch.float32 if _keeps_fp32(name) else dtype, rows))
     left = [n for n in src.names() if n not in used]
     if left:
         raise ExportError(f"the checkpoint holds tensors the export would drop: {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
@@ -349,7 +351,7 @@ def hf_config(cfg: ModelConfig, dtype: str, max_positions: int, eos_id: int) -> 
         "model_type": MODEL_TYPE,
         "architectures": [ARCHITECTURE],
         "auto_map": {"AutoConfig": "configuration_growlm.GrowLMConfig", "AutoModelForCausalLM": f"modeling_growlm.{ARCHITECTURE}"},
-        "block_type": "coupling",
+        "block_type": cfg.block,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
@@ -459,7 +461,7 @@ def model_card(report: dict, meta: dict, settings: dict) -> str:
         f"- Training: stage {report['stage'] + 1}/{len(report['stages'])} '{report['stage_name']}', step {report['step']:,}, "
         f"{report['tokens']:,} tokens of `{data.get('source', '?')}` (tokenizer `{data.get('tokenizer', '?')}`).",
         f"- Loss at the checkpoint: training {_num(report['loss'])}, held-out {_num(report['eval_loss'])} (nats per token).",
-        f"- Export: {settings['dtype']} weights (router in float32), experts {settings['experts']}; context trained at "
+        f"- Export: `{settings['architecture']}`, {settings['dtype']} weights, experts {settings['experts']}; context trained at "
         f"{settings['max_positions']} tokens.",
         "",
         "## Stages",
@@ -479,21 +481,23 @@ def model_card(report: dict, meta: dict, settings: dict) -> str:
         ]
     else:
         lines.append("No growth yet.")
+    trust = ", trust_remote_code=True" if settings["remote_code"] else ""
+    code = ("The modeling code (`modeling_growlm.py`) needs torch and transformers only." if settings["remote_code"]
+            else f"It is transformers' own `{settings['architecture']}`: no remote code, and engines that load that class load it.")
     lines += [
         "",
         "## Use",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH", trust_remote_code=True)',
+        f'model = AutoModelForCausalLM.from_pretrained("PATH"{trust})',
+        f'tokenizer = AutoTokenizer.from_pretrained("PATH"{trust})',
         'ids = tokenizer("The ", return_tensors="pt").input_ids',
         "print(tokenizer.decode(model.generate(ids, max_new_tokens=50, do_sample=False)[0]))",
         "```",
         "",
-        "The modeling code (`modeling_growlm.py`) needs torch and transformers only. Evaluate with "
-        "lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=PATH,trust_remote_code=True --tasks ...` "
-        "(growtrain's `evals/` folder holds offline tasks).",
+        f"{code} Evaluate with lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=PATH{trust.replace(' ', '')} "
+        "--tasks ...` (growtrain's `evals/` folder holds offline tasks).",
         "",
     ]
     return "\n".join(lines)
@@ -576,6 +580,13 @@ def export_hf(
         raise ExportError(NF4_REFUSAL)
     src = CheckpointTensors(ckpt, meta)
     tensors = plan_tensors(cfg, src, DTYPES[dtype])
+    arch, why = native_class(cfg, any(bool(src.read(n).any()) for n in src.names() if n.endswith("router.balance_bias")))
+    if arch is not None:
+        tensors = native_tensors(arch, cfg, tensors)
+        log(f"format: transformers' {arch} ({why}; no remote code)")
+    else:
+        tensors = [OutTensor(hf_name(t.name), t.shape, t.dtype, t.rows) for t in tensors]
+        log(f"format: remote code, {ARCHITECTURE} ({why})")
     files = shard_plan(tensors, max_bytes)
     total = sum(t.nbytes for t in tensors)
     max_positions = trained_context(meta)
@@ -597,14 +608,15 @@ def export_hf(
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": {t.name: n for n, g in zip(names, files) for t in g}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype, max_positions, eos_id), indent=2) + "\n")
+        config = native_config(arch, cfg, dtype, max_positions, eos_id) if arch else hf_config(cfg, dtype, max_positions, eos_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {"eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        for f in REMOTE_FILES:
+        for f in REMOTE_FILES if arch is None else ():
             shutil.copyfile(REMOTE_DIR / f, tmp / f)
         from growtrain.inspect import checkpoint_report
 
-        settings = {"dtype": dtype, "experts": _experts_note(cfg), "max_positions": max_positions}
+        settings = {"dtype": dtype, "experts": _experts_note(cfg), "max_positions": max_positions, "architecture": arch or ARCHITECTURE, "remote_code": arch is None}
         (tmp / "README.md").write_text(model_card(checkpoint_report(ckpt), meta, settings))
         for f in tmp.iterdir():
             fsync_file(f)
@@ -626,6 +638,7 @@ def export_hf(
         "checkpoint": str(ckpt),
         "out": str(out),
         "tensors": len(tensors),
+        "architecture": arch or ARCHITECTURE,
         "bytes": total,
         "files": names,
         "dtype": dtype,

@@ -425,6 +425,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     for item in overrides:
         _apply_override(raw, item, problems, lines)
     _resolve_data_paths(raw, Path.cwd())  # what --set gave (the file's paths are absolute by now)
+    _apply_init_from(raw, problems)
     recipe = parse_recipe(raw, problems, lines)
     if problems:
         raise RecipeError(problems, str(path))
@@ -432,12 +433,46 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
 
 
 def _resolve_data_paths(raw: dict, base: Path) -> None:
+    model = raw.get("model")
+    if isinstance(model, dict) and isinstance(model.get("init_from"), str) and model["init_from"]:
+        model["init_from"] = str((base / Path(model["init_from"]).expanduser()).resolve())
     data = raw.get("data")
     if not isinstance(data, dict):
         return
     for key, resolve in (("source", resolve_source_path), ("tokenizer", resolve_tokenizer_path)):
         if isinstance(data.get(key), str):
             data[key] = resolve(data[key], base)
+
+
+def _apply_init_from(raw: dict, problems: list[str]) -> None:
+    """model.init_from: the shape fields from the checkpoint's config.json (a recipe value that
+    disagrees is a problem), block residual, and its tokenizer.json as data.tokenizer unless the
+    recipe names one (growtrain/hf_import.py)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("init_from"), str) or not model["init_from"]:
+        return
+    from growtrain.hf_import import ImportRefused, shape_fields, sliding_window
+
+    path = Path(model["init_from"])
+    try:
+        fields = shape_fields(path)
+        window = sliding_window(path)
+    except ImportRefused as exc:
+        problems.append(f"model.init_from: {exc}")
+        return
+    for key, value in fields.items():
+        given = model.get(key)
+        if given is not None and given != value and not (key == "vocab_size" and given == 0):
+            problems.append(f"model.{key}: {given!r}, but model.init_from's config.json says {value!r}; leave it unset (init_from sets the shape)")
+        model[key] = value
+    if model.get("moe_layers") or model.get("dense_lora"):
+        problems.append("model.init_from: the imported seed is the checkpoint's dense model; grow it into an MoE (upcycle_moe) or add LoRA in a stage")
+    data = raw.setdefault("data", {})
+    if isinstance(data, dict) and "tokenizer" not in data and (path / "tokenizer.json").is_file():
+        data["tokenizer"] = str(path)
+    for i, stage in enumerate(raw.get("stages") or []):
+        if window and isinstance(stage, dict) and isinstance(stage.get("seq_len"), int) and stage["seq_len"] > window:
+            problems.append(f"stages.{i}.seq_len: {stage['seq_len']} is longer than model.init_from's attention window ({window}); growtrain attends over the whole sequence")
 
 
 def without_moved_keys(plain: dict) -> dict:

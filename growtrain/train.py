@@ -485,6 +485,17 @@ class Run:
         self.dist.barrier()
         self.console.write(f"checkpoint {path.name}{' (stage end)' if stage_end else ' (after growth)' if grown else ''}")
 
+    def _import_seed(self, path: str) -> None:
+        """model.init_from: the seed's weights from a local Hugging Face checkpoint (growtrain/hf_import.py)."""
+        from growtrain.hf_import import import_state
+
+        state = import_state(Path(path), self.model.config.n_layers)
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise RecipeError([f"model.init_from: {path} does not fill the seed model (missing {missing[:3]}, unexpected {unexpected[:3]})"])
+        self.log(f"model: the seed's weights imported from {path} ({len(state)} tensors)")
+
     def _write_shards(self, tmp: Path | None, name: str, shard: dict) -> dict[str, dict]:
         """Every rank writes its expert shard into rank 0's temporary checkpoint dir and hashes it,
         all at once (rank 0 would otherwise hash every shard after the others: ~117 GB at the
@@ -581,6 +592,8 @@ class Run:
             pos = Position()
             with torch.device(self.device):  # initialised where it trains: no host copy first
                 self.model = self.dist.shard(GrowLM(seed_shape))
+            if recipe.model.init_from:
+                self._import_seed(recipe.model.init_from)
             self.optimizer = build_optimizer(self.dist.owned(dict(self.model.named_parameters())), recipe.optimizer)
             if self.dist.is_main:
                 self.metrics.truncate_after(-1)

@@ -39,8 +39,8 @@ class GrowLMConfig(PretrainedConfig):
         tie_word_embeddings=False,
         **kwargs,
     ):
-        if block_type != "coupling":
-            raise ValueError(f"block_type {block_type!r}: this modeling file runs coupling blocks only")
+        if block_type not in ("coupling", "residual"):
+            raise ValueError(f"block_type must be 'coupling' or 'residual', got {block_type!r}")
         if router_score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"router_score_func must be 'softmax' or 'sigmoid', got {router_score_func!r}")
         self.vocab_size = vocab_size

@@ -1,4 +1,5 @@
 """A growtrain model for transformers (`growtrain export-hf`): two-stream additive coupling blocks
+(or pre-norm residual blocks, `block_type: residual`, where no transformers class maps exactly)
 with GQA attention and dense or routed-expert SwiGLU feed-forwards.
 
 Self-contained (torch and transformers only), so the exported folder runs where growtrain is not
@@ -205,14 +206,20 @@ class GrowLMFFNBranch(nn.Module):
 
 
 class GrowLMBlock(nn.Module):
-    """y1 = x1 + F(x2); y2 = x2 + G(y1), F = attention(norm(.)), G = ffn(norm(.))."""
+    """Coupling: y1 = x1 + F(x2); y2 = x2 + G(y1). Residual (block_type residual, one stream held in
+    both): h = x + F(x); y = h + G(h), returned as both streams. F = attention(norm(.)), G = ffn(norm(.))."""
 
     def __init__(self, config: GrowLMConfig, layer_idx: int):
         super().__init__()
+        self.residual = config.block_type == "residual"
         self.f = GrowLMAttentionBranch(config, layer_idx)
         self.g = GrowLMFFNBranch(config, layer_idx)
 
     def forward(self, x1, x2, position_ids, attention_mask, past_key_values):
+        if self.residual:
+            h = x1 + self.f.attn(self.f.norm(x1), position_ids, attention_mask, past_key_values).to(x1.dtype)
+            y = h + self.g.ffn(self.g.norm(h)).to(h.dtype)
+            return y, y
         y1 = x1 + self.f.attn(self.f.norm(x2), position_ids, attention_mask, past_key_values).to(x1.dtype)
         y2 = x2 + self.g.ffn(self.g.norm(y1)).to(x2.dtype)
         return y1, y2

@@ -128,12 +128,30 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = field(
         default=(), metadata={"doc": "Indices of the blocks whose FFN is an MoE layer (requires `moe`)."}
     )
+    block: Literal["coupling", "residual"] = field(
+        default="coupling",
+        metadata={
+            "doc": "coupling: two-stream additive couplings y1 = x1 + F(x2), y2 = x2 + G(y1) (reversible); residual: the "
+            "standard pre-norm block h = x + attention(norm(x)), y = h + ffn(norm(h)) on one stream, the layout of "
+            "Llama / Mistral / Mixtral / Qwen2-MoE (what init_from imports and export-hf writes as transformers' own classes)."
+        },
+    )
     reversible: bool = field(
         default=True,
         metadata={
             "doc": "Reversible backward: keep only the final streams (and MoE routing) and rebuild each block's "
             "inputs from its outputs during backward, so activation memory stays flat in depth for ~1.3x compute; "
-            "false: plain autograd."
+            "false: plain autograd. Residual blocks are not invertible: for them it checkpoints each block (keeps its "
+            "input, one [batch, seq, d_model] tensor, and recomputes the block in backward with the forward's routing)."
+        },
+    )
+    init_from: str = field(
+        default="",
+        metadata={
+            "doc": "A local Hugging Face checkpoint folder (Llama / Mistral layout: config.json, safetensors) to start "
+            "from instead of random weights: implies block residual, takes every shape field from its config.json "
+            "(leave them unset), and its tokenizer.json becomes data.tokenizer unless one is named. A relative path is "
+            "relative to the recipe file. No hub access."
         },
     )
     dense_lora: DenseLoRAConfig | None = field(

@@ -1,7 +1,8 @@
 """The growtrain language model (DESIGN.md §4): embeddings, a stack of RevNet-style additive
-coupling blocks over two fp32 residual streams, final norm, untied LM head. With
-`config.reversible` (the default) a training forward keeps no per-block activations: the backward
-rebuilds them from the block outputs (growtrain/model/reversible.py). With `config.dense_lora` the
+coupling blocks over two fp32 residual streams (or, with `config.block: residual`, standard pre-norm
+residual blocks on one stream), final norm, untied LM head. With `config.reversible` (the default)
+a training forward keeps no per-block activations: the backward rebuilds them from the block
+outputs (growtrain/model/reversible.py); residual blocks are checkpointed instead. With `config.dense_lora` the
 dense Linear layers it names are wrapped by peft LoRA when the model is built. `forward_cached`
 decodes incrementally with a `KVCache` (growtrain/generate.py).
 
@@ -18,7 +19,7 @@ from torch import nn
 from growtrain.model.config import ModelConfig
 from growtrain.model.layers import AttentionBranch, AttentionCache, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
 from growtrain.model.moe import MoE, MoEStats, resolve_expert_backend, update_balance_bias
-from growtrain.model.reversible import plain_blocks, reversible_blocks
+from growtrain.model.reversible import checkpointed_blocks, plain_blocks, reversible_blocks
 
 
 @dataclass
@@ -85,13 +86,48 @@ class CouplingBlock(nn.Module):
         return y1, y2, stats
 
 
+class ResidualBlock(nn.Module):
+    """The standard pre-norm block on one stream: h = x + F(x); y = h + G(h) (F, G as in a coupling
+    block, under the same names, so growth operators and checkpoints address both alike).
+
+    It takes and returns the coupling blocks' two streams, both holding the one residual stream:
+    x2 is x1 on the way in, and y is returned as both outputs, so the embedding, the head's
+    (y1 + y2) / 2 (exactly y: doubling and halving are exact in binary floating point), the KV-cache
+    decoding and the block loops are shared with the coupling model."""
+
+    def __init__(self, config: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.f = AttentionBranch(config)
+        if config.is_moe_layer(index):
+            ffn: nn.Module = MoE(config)
+        else:
+            ffn = SwiGLU(config.d_model, config.ffn_hidden, config.init_std, out_proj_std(config))
+        self.g = FFNBranch(config, ffn)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.g.is_moe
+
+    def forward(
+        self, x1: torch.Tensor, x2: torch.Tensor, routing: torch.Tensor | None = None, cache: AttentionCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, MoEStats | None]:
+        h = x1 + self.f(x1, cache).to(x1.dtype)
+        g_out, stats = self.g(h, routing=routing)
+        y = h + g_out.to(h.dtype)
+        return y, y, stats
+
+
+BLOCKS = {"coupling": CouplingBlock, "residual": ResidualBlock}
+
+
 class GrowLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         check_config(config)
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(CouplingBlock(config, i) for i in range(config.n_layers))
+        self.blocks = nn.ModuleList(BLOCKS[config.block](config, i) for i in range(config.n_layers))
         self.final_norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_own_weights()
@@ -141,7 +177,9 @@ class GrowLM(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor) -> ModelOutput:
         x1, x2 = self.embed_streams(tokens_BT)
-        if self.config.reversible and torch.is_grad_enabled():
+        if self.config.reversible and torch.is_grad_enabled() and self.config.block == "residual":
+            x1, x2, stats = checkpointed_blocks(self.blocks, x1, x2)
+        elif self.config.reversible and torch.is_grad_enabled():
             x1, x2, stats = reversible_blocks(self.blocks, x1, x2)
         else:
             x1, x2, stats = plain_blocks(self.blocks, x1, x2)

@@ -253,6 +253,31 @@ def plain_blocks(
     return x1, x2, stats
 
 
+def checkpointed_blocks(
+    blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats]]:
+    """Residual blocks (not invertible) with activation checkpointing: each block keeps its input and
+    is recomputed in backward. The recompute reuses the forward's routing, as the reversible
+    backward does, so top-k cannot flip between the two (bf16 noise, GPU nondeterminism)."""
+    from torch.utils.checkpoint import checkpoint
+
+    check_no_dropout(blocks)
+    stats: list[MoEStats] = []
+    for block in blocks:
+        routing: list[torch.Tensor] = []
+
+        def run(a: torch.Tensor, b: torch.Tensor, block=block, routing=routing):
+            y1, y2, s = block(a, b, routing=routing[0] if routing else None)
+            if s is not None and not routing:
+                routing.append(s.top_k_indices)
+            return y1, y2, s
+
+        x1, x2, s = checkpoint(run, x1, x2, use_reentrant=False)
+        if s is not None:
+            stats.append(s)
+    return x1, x2, stats
+
+
 @torch.no_grad()
 def invert_blocks(
     blocks: nn.ModuleList, y1: torch.Tensor, y2: torch.Tensor, routings: list[torch.Tensor]

@@ -217,7 +217,14 @@ def activation_bytes(cfg, batch: int, seq: int, precision: str = "fp32", reversi
     routing_width = 1 if E <= 256 else 2 if E <= 32768 else 4  # reversible.py keeps the narrowest int
     routing = sum(N * cfg.moe.top_k * routing_width for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) if E else 0
 
-    if reversible:
+    if reversible and getattr(cfg, "block", "coupling") == "residual":
+        # Checkpointed residual blocks: every block's input (one fp32 stream) and routing are kept;
+        # backward recomputes one block at a time with grad on.
+        fixed = base.total() + cfg.n_layers * stream + routing
+        forward_end = fixed + head.total()
+        backward_peak = fixed + max(per_block)
+        streams = cfg.n_layers * stream
+    elif reversible:
         # The final two streams, and the stack's input (both input streams are the embedding's one
         # tensor; reversible.py keeps it so that the first block is never inverted).
         fixed = base.total() + 3 * stream + routing

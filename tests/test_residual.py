@@ -1,0 +1,270 @@
+"""Residual blocks (`model.block: residual`), a Llama-family checkpoint as the seed
+(`model.init_from`), growth of it through every operator with its checks, and `export-hf` to
+transformers' own classes (Llama, Mixtral, Qwen2-MoE), loaded where growtrain is not importable.
+Checkpoints are made by transformers here (random weights, `save_pretrained`): nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, cli_env, losses, run_cli
+from growtrain.hf_export import byte_tokenizer_json, export_hf
+from growtrain.model import GrowLM, ModelConfig, MoEConfig
+from growtrain.recipe import RecipeError, load_recipe
+
+transformers = pytest.importorskip("transformers")
+
+V = 257
+
+
+def _hf_checkpoint(root: Path, family: str = "llama", **changes) -> Path:
+    """A small random checkpoint of `family` saved by transformers, with growtrain's byte tokenizer file."""
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM), "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    settings = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1)
+    settings.update(changes)
+    torch.manual_seed(0)
+    model = cls[1](cls[0](**settings)).eval()
+    path = root / family
+    model.save_pretrained(path)
+    (path / "tokenizer.json").write_text(byte_tokenizer_json())
+    return path
+
+
+RECIPE = {
+    "name": "upcycle",
+    "seed": 1,
+    "data": {"source": "builtin:pydoc_topics", "max_bytes": 60_000, "eval_fraction": 0.1},
+    "optimizer": {"lr": 0.001},
+    "train": {"log_every": 2, "eval_every": 4, "eval_batches": 1},
+    "schedule": {"kind": "wsd", "warmup_steps": 2},
+    "stages": [
+        {"name": "seed", "steps": 4, "seq_len": 32, "batch_size": 4},
+        {"name": "moe", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2}]},
+        {"name": "grow", "steps": 4, "seq_len": 32, "batch_size": 4,
+         "grow": [{"op": "deepen", "after": [1]}, {"op": "split_experts", "factor": 2}, {"op": "widen_hidden", "factor": 2}]},
+        {"name": "nf4", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "quantize_experts", "r": 4}, {"op": "add_dense_lora", "r": 4}]},
+    ],
+    "checkpoint": {"every_steps": 4, "keep_last": 2},
+    "invariance": {"probe_batch_size": 2, "probe_seq_len": 32},
+    "tracking": {"wandb": {"mode": "disabled"}, "progress_bar": False},
+}
+
+
+def _write(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def _imported(recipe: Path) -> GrowLM:
+    from growtrain.hf_import import import_state
+
+    cfg = load_recipe(recipe).model
+    model = GrowLM(cfg)
+    model.load_state_dict(import_state(Path(cfg.init_from), cfg.n_layers), strict=True)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------- the block
+
+
+def test_checkpointed_residual_blocks_give_plain_autograds_gradients_with_moe(fp64):
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=24, router_init_std=0.5, shared_expert_hidden=8)
+    grads = []
+    for reversible in (True, False):
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=48, moe=moe, moe_layers=(1, 2), block="residual", reversible=reversible)
+        model = GrowLM(cfg).double()
+        out = model(torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1)))
+        (out.logits.square().mean() + out.aux_loss).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_residual_blocks_decode_with_the_kv_cache_as_the_full_forward():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, ffn_hidden=48, block="residual")
+    model = GrowLM(cfg).eval()
+    tokens = torch.randint(0, V, (1, 9))
+    with torch.no_grad():
+        full = model(tokens).logits
+        cache = model.new_cache()
+        model.forward_cached(tokens[:, :5], cache)
+        step = model.forward_cached(tokens[:, 5:6], cache).logits
+    torch.testing.assert_close(step[0, -1], full[0, 5], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------- import
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_an_imported_checkpoint_gives_transformers_logits(tmp_path, family):
+    path = _hf_checkpoint(tmp_path, family, rope_theta=50000.0) if family == "llama" else _hf_checkpoint(tmp_path, family)
+    recipe = _write(tmp_path / "r.yaml", {**copy.deepcopy(RECIPE), "model": {"init_from": str(path)}})
+    ours = _imported(recipe)
+    assert ours.config.block == "residual" and ours.config.n_kv_heads == 2 and ours.config.d_model == 64
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got = theirs(tokens).logits, ours(tokens).logits
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    assert load_recipe(recipe).data.tokenizer == str(path)  # its tokenizer became the run's
+
+
+def test_what_does_not_map_exactly_is_refused_with_the_reason(tmp_path):
+    qwen = _hf_checkpoint(tmp_path, "qwen2")
+    scaled = _hf_checkpoint(tmp_path / "s", "llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cases = [
+        ({"init_from": str(qwen)}, "biases on its q/k/v"),
+        ({"init_from": str(scaled)}, "RoPE type 'linear'"),
+        ({"init_from": str(tmp_path / "nowhere")}, "no config.json"),
+        ({"init_from": str(_hf_checkpoint(tmp_path / "l", "llama")), "d_model": 128}, "model.d_model: 128, but model.init_from's config.json says 64"),
+        ({"init_from": str(tmp_path / "l" / "llama"), "moe_layers": [0]}, "the imported seed is the checkpoint's dense model"),
+    ]
+    for model, message in cases:
+        with pytest.raises(RecipeError, match="(?s)" + message.replace("(", r"\(").replace(")", r"\)")):
+            load_recipe(_write(tmp_path / "r.yaml", {**copy.deepcopy(RECIPE), "model": model}))
+
+
+# --------------------------------------------------------------------------------- grow, resume, export
+
+
+@pytest.fixture(scope="module")
+def upcycled(tmp_path_factory):
+    """The Llama seed grown by a real `growtrain run`: upcycle, deepen + split + widen, NF4 + dense LoRA."""
+    root = tmp_path_factory.mktemp("residual")
+    path = _hf_checkpoint(root, "llama", initializer_range=0.02)  # Llama's own init: NF4's error stays within the bars
+    recipe = _write(root / "upcycle.yaml", {**copy.deepcopy(RECIPE), "model": {"init_from": str(path)}})
+    done = run_cli("run", recipe, "--out", root / "run")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root, recipe, path, done.stdout
+
+
+def test_the_imported_seed_grows_through_every_operator_with_its_checks_passing(upcycled):
+    root, _, path, log = upcycled
+    assert f"imported from {path}" in log
+    report = json.loads(run_cli("inspect", root / "run", "--json").stdout)
+    ops = [(t["operator"], t["passed"]) for t in report["transitions"]]
+    assert [o for o, _ in ops if o != "transition"] == ["upcycle_moe", "deepen", "split_experts", "widen_hidden", "quantize_experts", "add_dense_lora"]
+    assert all(passed for _, passed in ops)
+    exact = {t["operator"]: t["max_abs_dlogits"] for t in report["transitions"] if t["exact"]}
+    assert exact and max(exact.values()) < 1e-4, exact
+
+
+def test_a_killed_residual_run_resumes_with_the_uninterrupted_losses(upcycled, tmp_path):
+    root, recipe, _, _ = upcycled
+    from conftest import kill_and_resume
+
+    kill_and_resume(recipe, tmp_path / "run", "step_mid:7")
+    assert losses(tmp_path / "run") == losses(root / "run")
+
+
+_LOAD = """
+import importlib.abc, json, sys, torch
+class NoGrowtrain(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "growtrain":
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, NoGrowtrain())
+from transformers import AutoModelForCausalLM
+job = json.loads(sys.argv[1])
+out = {}
+for name, d in job["dirs"].items():
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()  # no trust_remote_code
+    with torch.no_grad():
+        out[name] = {"class": type(model).__name__, "logits": model(torch.tensor(job["tokens"])).logits,
+                     "generate": model.generate(torch.tensor([job["tokens"][0][:4]]), max_new_tokens=30, do_sample=False)[0].tolist()}
+torch.save(out, job["out"])
+"""
+
+
+def _load_natively(root: Path, dirs: dict, tokens: torch.Tensor) -> dict:
+    job = {"dirs": {k: str(v) for k, v in dirs.items()}, "tokens": tokens.tolist(), "out": str(root / "native.pt")}
+    env = {k: v for k, v in cli_env().items() if k != "PYTHONPATH"}
+    env.update(TRANSFORMERS_VERBOSITY="error")
+    done = subprocess.run([sys.executable, "-I", "-c", _LOAD, json.dumps(job)], cwd=root, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(root / "native.pt", weights_only=False)
+
+
+def _tokenizer_copy(root: Path) -> dict:
+    """The run's tokenizer file (the imported checkpoint's), as a checkpoint of it holds it."""
+    return {"tokenizer.json": (root / "run" / "tokenizer.json").read_text()}
+
+
+def _model(cfg: ModelConfig, seed: int) -> GrowLM:
+    torch.manual_seed(seed)
+    return GrowLM(cfg).eval()
+
+
+def test_export_hf_writes_transformers_own_classes_for_residual_models(upcycled, tmp_path):
+    """The grown run (every block MoE, NF4 + LoRA and dense LoRA merged) as Mixtral; a dense model as
+    Llama; MoE in one block with a shared expert as Qwen2-MoE; logits as growtrain's, no remote code."""
+    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta, resolve
+    from growtrain.generate import load_model, sample
+    from growtrain.recipe import to_plain
+
+    root, _, _, _ = upcycled
+    template = read_meta(sorted((root / "run" / "checkpoints").glob("step-*"))[-1])
+    base = ModelConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, init_std=0.1, block="residual")
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, router_init_std=0.5, shared_expert_hidden=16)
+    models = {"run": load_model(resolve(root / "run", log=lambda s: None)), "dense": _model(base, 1),
+              "mixed": _model(base.with_changes(moe=moe, moe_layers=(1,)), 2)}
+    dirs = {}
+    for name, model in models.items():
+        src = root / "run" if name == "run" else tmp_path / name
+        if name != "run":
+            meta = {**copy.deepcopy(template), "model_config": to_plain(model.config), "growth_history": [], "stage": 0}
+            CheckpointManager(src, CheckpointConfig(), log=lambda s: None).save(3, model_state=model.state_dict(), trainer_state={}, meta=meta, extra_files=_tokenizer_copy(root))
+        dirs[name] = tmp_path / "out" / name
+        export_hf(src, dirs[name], log=lambda s: None)
+        assert not (dirs[name] / "modeling_growlm.py").exists()
+    tokens = torch.randint(0, V - 1, (2, 30), generator=torch.Generator().manual_seed(3))
+    got = _load_natively(tmp_path, dirs, tokens)
+    assert {k: v["class"] for k, v in got.items()} == {"run": "MixtralForCausalLM", "dense": "LlamaForCausalLM", "mixed": "Qwen2MoeForCausalLM"}
+    for name, model in models.items():
+        with torch.no_grad():
+            want = model(tokens).logits
+        assert (got[name]["logits"] - want).abs().max().item() < 1e-5 * want.abs().max().item(), name
+        greedy = sample(model, tokens[0, :4].tolist(), 30, 0.0, 0, torch.Generator(), 256)
+        assert got[name]["generate"] == greedy[: len(got[name]["generate"])], name
+
+
+def test_a_residual_model_with_a_sigmoid_router_falls_back_to_the_remote_code(upcycled, tmp_path):
+    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta
+    from growtrain.recipe import to_plain
+
+    root, _, _, _ = upcycled
+    template = read_meta(sorted((root / "run" / "checkpoints").glob("step-*"))[-1])
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, ffn_hidden=48, block="residual",
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, score_func="sigmoid"), moe_layers=(0,))
+    model = _model(cfg, 4)
+    meta = {**copy.deepcopy(template), "model_config": to_plain(cfg), "growth_history": [], "stage": 0}
+    CheckpointManager(tmp_path / "ck", CheckpointConfig(), log=lambda s: None).save(3, model_state=model.state_dict(), trainer_state={}, meta=meta, extra_files=_tokenizer_copy(root))
+    lines = []
+    export_hf(tmp_path / "ck", tmp_path / "out", log=lines.append)
+    assert any("remote code" in line and "sigmoid" in line for line in lines)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "growlm" and config["block_type"] == "residual"
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True, dtype=torch.float32).eval()
+    tokens = torch.randint(0, V - 1, (1, 20))
+    with torch.no_grad():
+        want = model(tokens).logits
+        assert (got(tokens).logits - want).abs().max().item() < 1e-5 * want.abs().max().item()
+
+
+def test_residual_blocks_are_refused_over_several_processes_with_the_reason(tmp_path):
+    recipe = _write(tmp_path / "r.yaml", {**copy.deepcopy(RECIPE), "model": {"block": "residual", "d_model": 32, "n_heads": 2}})
+    done = run_cli("validate", recipe, "--world-size", "2")
+    assert done.returncode == 2 and "model.block: residual trains in one process" in done.stderr
