@@ -413,11 +413,14 @@ def cmd_export_hf(args) -> int:
 
     summary = export_hf(args.checkpoint, args.out, args.dtype, args.experts, args.max_shard_size, args.overwrite)
     evals = Path(__import__("growtrain.evals").evals.__file__).parent
+    remote = summary["remote_code"]
+    kind = " (remote code)" if remote else " (transformers' own class)"
     print(
-        f"exported {summary['checkpoint']} to {summary['out']}: {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB "
+        f"exported {summary['checkpoint']} to {summary['out']} as {summary['architecture']}{kind}: "
+        f"{summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB "
         f"{summary['dtype']} in {len(summary['files'])} file(s), {summary['seconds']:.1f} s\n"
-        f"load it:     AutoModelForCausalLM.from_pretrained({str(summary['out'])!r}, trust_remote_code=True)\n"
-        f"evaluate it: lm_eval --model hf --model_args pretrained={summary['out']},trust_remote_code=True "
+        f"load it:     AutoModelForCausalLM.from_pretrained({str(summary['out'])!r}{', trust_remote_code=True' if remote else ''})\n"
+        f"evaluate it: lm_eval --model hf --model_args pretrained={summary['out']}{',trust_remote_code=True' if remote else ''} "
         f"--include_path {evals} --tasks growtrain_heldout_ppl,growtrain_facts_mc --device cpu"
     )
     return 0

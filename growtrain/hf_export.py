@@ -639,6 +639,7 @@ def export_hf(
         "out": str(out),
         "tensors": len(tensors),
         "architecture": arch or ARCHITECTURE,
+        "remote_code": arch is None,
         "bytes": total,
         "files": names,
         "dtype": dtype,

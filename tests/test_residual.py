@@ -268,3 +268,18 @@ def test_residual_blocks_are_refused_over_several_processes_with_the_reason(tmp_
     recipe = _write(tmp_path / "r.yaml", {**copy.deepcopy(RECIPE), "model": {"block": "residual", "d_model": 32, "n_heads": 2}})
     done = run_cli("validate", recipe, "--world-size", "2")
     assert done.returncode == 2 and "model.block: residual trains in one process" in done.stderr
+
+
+def test_the_shipped_upcycle_recipe_runs_on_a_local_llama_and_exports_as_mixtral(tmp_path):
+    """recipes/upcycle-llama.yaml as the README runs it (`--set model.init_from=PATH`), steps cut short."""
+    path = _hf_checkpoint(tmp_path, "llama", initializer_range=0.02)
+    short = [f"stages.{i}.steps=2" for i in range(3)] + ["schedule.warmup_steps=1", "tracking.wandb.mode=disabled", "train.eval_every=2", "checkpoint.every_steps=2"]
+    sets = [a for s in [f"model.init_from={path}", *short] for a in ("--set", s)]
+    checked = run_cli("validate", "upcycle-llama", *sets)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    done = run_cli("run", "upcycle-llama", "--out", tmp_path / "run", *sets)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    exported = run_cli("export-hf", tmp_path / "run", "--out", tmp_path / "moe")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_hidden_layers"] == 4 and config["num_local_experts"] == 16
