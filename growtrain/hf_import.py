@@ -154,3 +154,23 @@ def _our_name(key: str, n_layers: int) -> str | None:
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) < n_layers and parts[3] in _LAYER_MAP:
         return f"blocks.{parts[2]}.{_LAYER_MAP[parts[3]]}"
     return None
+
+
+@torch.no_grad()
+def import_check(model, path: Path, vocab: int, seq_len: int) -> dict:
+    """The imported model's logits against transformers' own forward of the checkpoint (float32, on
+    the CPU) on a fixed batch of token ids: the relative L2 distance, as the exact growth operators
+    are checked. Loads the checkpoint a second time (host memory: twice the model in float32)."""
+    import transformers
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tokens = torch.randint(0, vocab, (2, max(2, min(seq_len, 64))), generator=torch.Generator().manual_seed(0))
+    want = theirs(tokens).logits.double()
+    device = next(model.parameters()).device
+    got = model(tokens.to(device)).logits.double().cpu()
+    del theirs
+    return {
+        "architecture": read_config(path).get("architectures", ["?"])[0],
+        "rel_l2": ((got - want).norm() / want.norm()).item(),
+        "max_abs_dlogits": (got - want).abs().max().item(),
+    }

@@ -495,6 +495,23 @@ class Run:
         if missing or unexpected:
             raise RecipeError([f"model.init_from: {path} does not fill the seed model (missing {missing[:3]}, unexpected {unexpected[:3]})"])
         self.log(f"model: the seed's weights imported from {path} ({len(state)} tensors)")
+        from growtrain.hf_import import import_check
+        from growtrain.stages import GrowthCheckFailed
+
+        seq = self.recipe.invariance.probe_seq_len or self.recipe.stages[0].seq_len
+        was_training = self.model.training
+        self.model.eval()
+        numbers = import_check(self.model, Path(path), self.model.config.vocab_size, seq)
+        self.model.train(was_training)
+        bar = self.recipe.invariance.exact_rel_tol
+        verdict = "passed" if numbers["rel_l2"] <= bar else "FAILED"
+        self.log(
+            f"import check: logits against transformers' {numbers['architecture']} of the checkpoint: rel L2 {numbers['rel_l2']:.2e} "
+            f"(bar {bar:.0e}), max|Δlogit| {numbers['max_abs_dlogits']:.2e} — {verdict}"
+        )
+        if numbers["rel_l2"] > bar:
+            raise GrowthCheckFailed({"stage": self.recipe.stages[0].name, "operator": "init_from", "index": 0,
+                                     "problems": [f"imported logits differ from transformers' by rel L2 {numbers['rel_l2']:.2e} > {bar:.0e}"]})
 
     def _write_shards(self, tmp: Path | None, name: str, shard: dict) -> dict[str, dict]:
         """Every rank writes its expert shard into rank 0's temporary checkpoint dir and hashes it,

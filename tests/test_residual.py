@@ -120,6 +120,13 @@ def test_an_imported_checkpoint_gives_transformers_logits(tmp_path, family):
         want, got = theirs(tokens).logits, ours(tokens).logits
     assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
     assert load_recipe(recipe).data.tokenizer == str(path)  # its tokenizer became the run's
+    # the run-time check (growtrain/train.py runs it at the seed's import): passes here, and catches a broken import
+    from growtrain.hf_import import import_check
+
+    assert import_check(ours, path, V, 32)["rel_l2"] < 1e-6
+    with torch.no_grad():
+        ours.blocks[1].g.ffn.w_up.weight[3, 5] += 0.5
+    assert import_check(ours, path, V, 32)["rel_l2"] > 1e-4
 
 
 def test_what_does_not_map_exactly_is_refused_with_the_reason(tmp_path):
@@ -154,6 +161,7 @@ def upcycled(tmp_path_factory):
 def test_the_imported_seed_grows_through_every_operator_with_its_checks_passing(upcycled):
     root, _, path, log = upcycled
     assert f"imported from {path}" in log
+    assert "import check: logits against transformers' LlamaForCausalLM of the checkpoint" in log and "— passed" in log
     report = json.loads(run_cli("inspect", root / "run", "--json").stdout)
     ops = [(t["operator"], t["passed"]) for t in report["transitions"]]
     assert [o for o, _ in ops if o != "transition"] == ["upcycle_moe", "deepen", "split_experts", "widen_hidden", "quantize_experts", "add_dense_lora"]
@@ -275,8 +283,6 @@ def test_the_shipped_upcycle_recipe_runs_on_a_local_llama_and_exports_as_mixtral
     path = _hf_checkpoint(tmp_path, "llama", initializer_range=0.02)
     short = [f"stages.{i}.steps=2" for i in range(3)] + ["schedule.warmup_steps=1", "tracking.wandb.mode=disabled", "train.eval_every=2", "checkpoint.every_steps=2"]
     sets = [a for s in [f"model.init_from={path}", *short] for a in ("--set", s)]
-    checked = run_cli("validate", "upcycle-llama", *sets)
-    assert checked.returncode == 0, checked.stderr[-2000:]
     done = run_cli("run", "upcycle-llama", "--out", tmp_path / "run", *sets)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     exported = run_cli("export-hf", tmp_path / "run", "--out", tmp_path / "moe")
