@@ -96,10 +96,10 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
         )
     if recipe.optimizer.dense_state_bits == 8:
         problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
-    if recipe.model.block == "residual":
+    if recipe.model.block == "residual" and recipe.distributed.layout == "af":
         problems.append(
-            "model.block: residual trains in one process for now: expert parallelism and the AF layout are built and "
-            "tested on coupling blocks (their recompute and growth on shards); use one process, or block: coupling"
+            "model.block: residual does not run in the AF layout yet (its schedules are built on coupling blocks' reversible "
+            "recompute); use distributed.layout: colocated (expert parallelism), or block: coupling"
         )
     return problems
 

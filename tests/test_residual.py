@@ -272,10 +272,42 @@ def test_a_residual_model_with_a_sigmoid_router_falls_back_to_the_remote_code(up
         assert (got(tokens).logits - want).abs().max().item() < 1e-5 * want.abs().max().item()
 
 
-def test_residual_blocks_are_refused_over_several_processes_with_the_reason(tmp_path):
-    recipe = _write(tmp_path / "r.yaml", {**copy.deepcopy(RECIPE), "model": {"block": "residual", "d_model": 32, "n_heads": 2}})
-    done = run_cli("validate", recipe, "--world-size", "2")
-    assert done.returncode == 2 and "model.block: residual trains in one process" in done.stderr
+EP_RESIDUAL = {
+    "name": "residual-ep", "seed": 1,
+    "model": {"block": "residual", "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64},
+    "data": {"source": "builtin:pydoc_topics", "max_bytes": 60_000, "eval_fraction": 0.1},
+    "optimizer": {"lr": 0.003}, "train": {"log_every": 2, "eval_every": 4, "eval_batches": 1},
+    "schedule": {"kind": "wsd", "warmup_steps": 2},
+    "stages": [
+        {"name": "dense", "steps": 4, "seq_len": 32, "batch_size": 4},
+        {"name": "moe", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2}]},
+        {"name": "split", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "split_experts", "factor": 2}]},
+    ],
+    "checkpoint": {"every_steps": 4}, "invariance": {"probe_batch_size": 2, "probe_seq_len": 32},
+    "tracking": {"wandb": {"mode": "disabled"}, "progress_bar": False},
+}
+
+
+def test_residual_blocks_at_ep2_train_and_grow_as_one_process(tmp_path):
+    """Checkpointed residual blocks under expert parallelism (NCCL's rules checked on gloo): the
+    recompute reissues each MoE block's dispatch in the same order on every rank."""
+    from test_expert_parallel import FP32_RTOL, growtrain_torchrun
+
+    recipe = _write(tmp_path / "r.yaml", EP_RESIDUAL)
+    one = run_cli("run", recipe, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    ep = growtrain_torchrun(2, "run", recipe, "--out", tmp_path / "ep2")
+    assert ep.returncode == 0, ep.stdout[-2000:] + ep.stderr[-3000:]
+    got, want = losses(tmp_path / "ep2"), losses(tmp_path / "one")
+    assert [s for s, *_ in got] == list(range(1, 13))
+    for (step, a, _), (_, b, _) in zip(got, want):
+        assert a == pytest.approx(b, rel=FP32_RTOL), (step, a, b)
+
+
+def test_residual_blocks_are_refused_in_the_af_layout_with_the_reason(tmp_path):
+    recipe = _write(tmp_path / "r.yaml", {**copy.deepcopy(EP_RESIDUAL), "distributed": {"layout": "af", "attention_ranks": 1}})
+    done = run_cli("validate", recipe, "--world-size", "3")
+    assert done.returncode == 2 and "model.block: residual does not run in the AF layout yet" in done.stderr, done.stderr
 
 
 def test_the_shipped_upcycle_recipe_runs_on_a_local_llama_and_exports_as_mixtral(tmp_path):
