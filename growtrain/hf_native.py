@@ -2,8 +2,9 @@
 layouts inference engines (vLLM, SGLang) load natively (DESIGN.md §16, interop).
 
     dense                                                    LlamaForCausalLM
-    every block MoE, no shared expert                        MixtralForCausalLM
-    MoE in some blocks, or a shared expert                   Qwen2MoeForCausalLM
+    every block MoE, no shared expert (softmax)              MixtralForCausalLM
+    MoE in some blocks, or a shared expert (softmax)         Qwen2MoeForCausalLM
+    sigmoid router (balance bias), MoE blocks after dense    Glm4MoeForCausalLM
 
 Each mapping is exact: the same RMSNorm, rotate-half RoPE, GQA and SwiGLU; Mixtral's and
 Qwen2-MoE's routers take softmax over all experts, top-k, and renormalize the chosen weights
@@ -13,8 +14,14 @@ doubled (exact in binary floating point); without a shared expert it gets one ze
 q/k/v biases (always present in transformers 4) are written as zeros. Experts are written one
 tensor per expert and matrix (the layout transformers 4 defines and transformers 5 converts on load).
 
-What does not map (sigmoid scores, a nonzero balance bias that changes the selection) returns a
-reason, and `export-hf` writes the remote-code export instead, saying why.
+GLM-4-MoE routes as growtrain's sigmoid router does: sigmoid scores, top-k over scores plus a
+selection-only bias (its e_score_correction_bias: our balance bias), the chosen scores
+renormalized (one group, scaling factor 1); its shared experts are added ungated, padded here with
+zero neurons to a whole number of expert widths; full RoPE (partial_rotary_factor 1). DeepSeek-V3's
+class would route alike, but its attention (latent KV with a norm inside) does not compute GQA.
+
+What does not map (a nonzero balance bias with softmax routing, a sigmoid router with MoE blocks
+before dense ones) returns a reason, and `export-hf` writes the remote-code export instead, saying why.
 
 Legend: E experts, F expert hidden, D d_model.
 """
@@ -35,10 +42,15 @@ def native_class(cfg: ModelConfig, balance_bias_nonzero: bool) -> tuple[str | No
     if not cfg.moe_layers:
         return "LlamaForCausalLM", "dense residual blocks are Llama's"
     moe = cfg.moe
-    if moe.score_func != "softmax":
-        return None, f"router score function {moe.score_func}: Mixtral and Qwen2-MoE route by softmax"
+    if moe.score_func == "sigmoid":
+        k = cfg.n_layers - len(cfg.moe_layers)
+        if sorted(cfg.moe_layers) != list(range(k, cfg.n_layers)):
+            return None, f"a sigmoid router maps onto GLM-4-MoE, whose MoE blocks follow its dense ones; MoE blocks {list(cfg.moe_layers)} do not"
+        if moe.num_experts < 2:
+            return None, "GLM-4-MoE's grouped top-k needs 2+ experts"
+        return "Glm4MoeForCausalLM", "sigmoid routing with a selection bias (GLM-4-MoE's e_score_correction_bias), MoE blocks after the dense ones"
     if balance_bias_nonzero:
-        return None, "a nonzero balance bias changes which experts are chosen; Mixtral and Qwen2-MoE have none"
+        return None, "a nonzero balance bias with softmax routing: Mixtral and Qwen2-MoE have no selection bias"
     if len(cfg.moe_layers) == cfg.n_layers and not moe.shared_expert_hidden:
         return "MixtralForCausalLM", "every block MoE, softmax routing, no shared expert"
     return "Qwen2MoeForCausalLM", "softmax routing with dense blocks or a shared expert"
@@ -79,6 +91,15 @@ def native_config(arch: str, cfg: ModelConfig, dtype: str, max_positions: int, e
             "num_experts_per_tok": moe.top_k, "sliding_window": None, "router_jitter_noise": 0.0, "output_router_logits": False,
             "router_aux_loss_coef": moe.aux_loss_coef,
         }
+    if arch == "Glm4MoeForCausalLM":
+        rope = {**common["rope_parameters"], "partial_rotary_factor": 1.0}
+        return {
+            "model_type": "glm4_moe", **common, "rope_parameters": rope, "partial_rotary_factor": 1.0, "intermediate_size": cfg.ffn_hidden,
+            "moe_intermediate_size": moe.expert_hidden, "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "n_shared_experts": glm_shared_experts(cfg), "first_k_dense_replace": cfg.n_layers - len(cfg.moe_layers), "n_group": 1,
+            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "attention_bias": False, "use_qk_norm": False,
+            "num_nextn_predict_layers": 0,
+        }
     return {
         "model_type": "qwen2_moe", **common, "intermediate_size": cfg.ffn_hidden, "moe_intermediate_size": moe.expert_hidden,
         "shared_expert_intermediate_size": max(moe.shared_expert_hidden, 1), "num_experts": moe.num_experts,
@@ -99,7 +120,6 @@ def native_tensors(arch: str, cfg: ModelConfig, tensors: list) -> list:
     from growtrain.hf_export import OutTensor
 
     out: list[OutTensor] = []
-    by_name = {t.name: t for t in tensors}
     for t in tensors:
         name = t.name
         if name == "embed.weight":
@@ -122,19 +142,27 @@ def native_tensors(arch: str, cfg: ModelConfig, tensors: list) -> list:
             elif rest == "norm.weight":
                 out.append(_renamed(t, f"{layer}.post_attention_layernorm.weight"))
             else:
-                out.extend(_ffn_tensors(arch, layer, rest, t, by_name))
-    if arch == "Qwen2MoeForCausalLM":
-        out.extend(_absent_shared_experts(cfg, out))
+                out.extend(_ffn_tensors(arch, cfg, layer, rest, t))
+    if arch in ("Qwen2MoeForCausalLM", "Glm4MoeForCausalLM"):
+        out.extend(_absent_shared_experts(arch, cfg, out))
     return out
 
 
-def _ffn_tensors(arch: str, layer: str, rest: str, t, by_name: dict) -> list:
+def glm_shared_experts(cfg: ModelConfig) -> int:
+    """GLM-4-MoE's shared experts are n_shared_experts x moe_intermediate_size neurons wide: growtrain's
+    shared expert padded with zero neurons (silu(0) * 0 = 0: exact) to the next multiple, at least one."""
+    return max(1, -(-cfg.moe.shared_expert_hidden // cfg.moe.expert_hidden))
+
+
+def _ffn_tensors(arch: str, cfg: ModelConfig, layer: str, rest: str, t) -> list:
     """g.ffn.* of one block: a dense SwiGLU, the router, the stacked experts, the shared expert."""
     part = rest.split(".")[1:]  # after "ffn"
     moe = "block_sparse_moe" if arch == "MixtralForCausalLM" else "mlp"
     if part[0] in _FFN:  # dense SwiGLU: w_gate.weight
         return [_renamed(t, f"{layer}.mlp.{_FFN[part[0]]}.weight")]
     if part[0] == "router":
+        if arch == "Glm4MoeForCausalLM" and part[1] == "balance_bias":
+            return [_renamed(t, f"{layer}.mlp.gate.e_score_correction_bias")]
         if part[1] == "balance_bias":
             return []  # all zero (native_class checked): selects as no bias does
         return [_renamed(t, f"{layer}.{moe}.gate.weight")]
@@ -142,6 +170,9 @@ def _ffn_tensors(arch: str, layer: str, rest: str, t, by_name: dict) -> list:
         m = part[1]
         names = _MIXTRAL_EXPERT if arch == "MixtralForCausalLM" else _FFN
         return [_expert(t, e, f"{layer}.{moe}.experts.{e}.{names[m]}.weight") for e in range(t.shape[0])]
+    if part[0] == "shared" and arch == "Glm4MoeForCausalLM":  # added as it is, padded with zero neurons
+        m, width = part[1], glm_shared_experts(cfg) * cfg.moe.expert_hidden
+        return [_padded(t, f"{layer}.mlp.shared_experts.{_FFN[m]}.weight", width, along=1 if m == "w_down" else 0)]
     if part[0] == "shared":  # Qwen2-MoE: sigmoid(0) = 1/2 of a doubled down-projection
         m = part[1]
         out = [_renamed(t, f"{layer}.mlp.shared_expert.{_FFN[m]}.weight", scale=2.0 if m == "w_down" else 1.0)]
@@ -151,17 +182,35 @@ def _ffn_tensors(arch: str, layer: str, rest: str, t, by_name: dict) -> list:
     raise ValueError(f"no {arch} counterpart for {rest}")
 
 
-def _absent_shared_experts(cfg: ModelConfig, written: list) -> list:
-    """Qwen2-MoE always has a shared expert: a zero one of one neuron where growtrain has none."""
+def _absent_shared_experts(arch: str, cfg: ModelConfig, written: list) -> list:
+    """Qwen2-MoE and GLM-4-MoE always have a shared expert: a zero one where growtrain has none
+    (one neuron for Qwen2-MoE, with its gate; one expert's width for GLM-4-MoE)."""
     if cfg.moe.shared_expert_hidden:
         return []
     dtype = next(t.dtype for t in written if t.name.endswith("q_proj.weight"))
-    out = []
+    width, name = (1, "shared_expert") if arch == "Qwen2MoeForCausalLM" else (cfg.moe.expert_hidden, "shared_experts")
+    D, out = cfg.d_model, []
     for i in cfg.moe_layers:
         p = f"model.layers.{i}.mlp"
-        out += [_zeros(f"{p}.shared_expert.gate_proj.weight", (1, cfg.d_model), dtype), _zeros(f"{p}.shared_expert.up_proj.weight", (1, cfg.d_model), dtype),
-                _zeros(f"{p}.shared_expert.down_proj.weight", (cfg.d_model, 1), dtype), _zeros(f"{p}.shared_expert_gate.weight", (1, cfg.d_model), dtype)]
+        out += [_zeros(f"{p}.{name}.gate_proj.weight", (width, D), dtype), _zeros(f"{p}.{name}.up_proj.weight", (width, D), dtype),
+                _zeros(f"{p}.{name}.down_proj.weight", (D, width), dtype)]
+        if arch == "Qwen2MoeForCausalLM":
+            out.append(_zeros(f"{p}.shared_expert_gate.weight", (1, D), dtype))
     return out
+
+
+def _padded(t, name: str, width: int, along: int):
+    """`t` ([F, D], or [D, F] with along=1) with zero neurons appended up to `width`."""
+    from growtrain.hf_export import OutTensor
+
+    shape = list(t.shape)
+    missing = width - shape[along]
+    shape[along] = width
+    if along == 0:  # rows are neurons: the (small) shared expert whole, padded, then the rows asked for
+        rows = lambda lo, hi, rows=t.rows, n=t.shape[0]: torch.cat([rows(0, n).float(), torch.zeros(missing, shape[1])])[lo:hi]  # noqa: E731
+    else:
+        rows = lambda lo, hi, rows=t.rows: torch.cat([rows(lo, hi).float(), torch.zeros(hi - lo, missing)], dim=1)  # noqa: E731
+    return OutTensor(name, tuple(shape), t.dtype, rows)
 
 
 def _renamed(t, name: str, scale: float = 1.0):

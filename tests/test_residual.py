@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +212,14 @@ def _tokenizer_copy(root: Path) -> dict:
     return {"tokenizer.json": (root / "run" / "tokenizer.json").read_text()}
 
 
+def _biased(model: GrowLM) -> GrowLM:
+    """A balance bias large enough to change which experts are chosen."""
+    with torch.no_grad():
+        for layer in model.moe_layers:
+            layer.router.balance_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.3])[: layer.num_experts])
+    return model
+
+
 def _model(cfg: ModelConfig, seed: int) -> GrowLM:
     torch.manual_seed(seed)
     return GrowLM(cfg).eval()
@@ -218,7 +227,8 @@ def _model(cfg: ModelConfig, seed: int) -> GrowLM:
 
 def test_export_hf_writes_transformers_own_classes_for_residual_models(upcycled, tmp_path):
     """The grown run (every block MoE, NF4 + LoRA and dense LoRA merged) as Mixtral; a dense model as
-    Llama; MoE in one block with a shared expert as Qwen2-MoE; logits as growtrain's, no remote code."""
+    Llama; MoE in one block with a shared expert as Qwen2-MoE; a sigmoid router with a balance bias
+    as GLM-4-MoE; logits and greedy generation as growtrain's, no remote code."""
     from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta, resolve
     from growtrain.generate import load_model, sample
     from growtrain.recipe import to_plain
@@ -227,8 +237,13 @@ def test_export_hf_writes_transformers_own_classes_for_residual_models(upcycled,
     template = read_meta(sorted((root / "run" / "checkpoints").glob("step-*"))[-1])
     base = ModelConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, init_std=0.1, block="residual")
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, router_init_std=0.5, shared_expert_hidden=16)
+    sigmoid = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, router_init_std=0.5, score_func="sigmoid", balance_bias_rate=0.01)
     models = {"run": load_model(resolve(root / "run", log=lambda s: None)), "dense": _model(base, 1),
-              "mixed": _model(base.with_changes(moe=moe, moe_layers=(1,)), 2)}
+              "mixed": _model(base.with_changes(moe=moe, moe_layers=(1,)), 2),
+              # a sigmoid router with a nonzero balance bias, MoE after a dense block: with a 24-neuron
+              # shared expert (padded to 2 x 16 for GLM) and without one
+              "glm": _biased(_model(base.with_changes(moe=replace(sigmoid, shared_expert_hidden=24), moe_layers=(1,)), 5)),
+              "glm_unshared": _biased(_model(base.with_changes(moe=sigmoid, moe_layers=(1,)), 6))}
     dirs = {}
     for name, model in models.items():
         src = root / "run" if name == "run" else tmp_path / name
@@ -239,8 +254,13 @@ def test_export_hf_writes_transformers_own_classes_for_residual_models(upcycled,
         export_hf(src, dirs[name], log=lambda s: None)
         assert not (dirs[name] / "modeling_growlm.py").exists()
     tokens = torch.randint(0, V - 1, (2, 30), generator=torch.Generator().manual_seed(3))
+    unbiased = copy.deepcopy(models["glm"])
+    with torch.no_grad():
+        unbiased.blocks[1].g.ffn.router.balance_bias.zero_()
+        assert (unbiased(tokens).logits - models["glm"](tokens).logits).abs().max() > 1e-3  # the bias changes the choice: its mapping matters
     got = _load_natively(tmp_path, dirs, tokens)
-    assert {k: v["class"] for k, v in got.items()} == {"run": "MixtralForCausalLM", "dense": "LlamaForCausalLM", "mixed": "Qwen2MoeForCausalLM"}
+    assert {k: v["class"] for k, v in got.items()} == {"run": "MixtralForCausalLM", "dense": "LlamaForCausalLM", "mixed": "Qwen2MoeForCausalLM",
+                                                        "glm": "Glm4MoeForCausalLM", "glm_unshared": "Glm4MoeForCausalLM"}
     for name, model in models.items():
         with torch.no_grad():
             want = model(tokens).logits
