@@ -52,8 +52,10 @@ RECIPE = {
         {"name": "seed", "steps": 4, "seq_len": 32, "batch_size": 4},
         {"name": "moe", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2}]},
         {"name": "grow", "steps": 4, "seq_len": 32, "batch_size": 4,
-         "grow": [{"op": "deepen", "after": [1]}, {"op": "split_experts", "factor": 2}, {"op": "widen_hidden", "factor": 2}]},
-        {"name": "nf4", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "quantize_experts", "r": 4}, {"op": "add_dense_lora", "r": 4}]},
+         "grow": [{"op": "deepen", "after": [1]}, {"op": "split_experts", "factor": 2}, {"op": "widen_hidden", "factor": 2},
+                  {"op": "widen_ffn", "expert_hidden": 128}, {"op": "add_heads", "add": 2}, {"op": "clone_experts", "factor": 2}]},
+        {"name": "nf4", "steps": 4, "seq_len": 32, "batch_size": 4,
+         "grow": [{"op": "quantize_experts", "r": 4}, {"op": "merge_adapters"}, {"op": "add_dense_lora", "r": 4}]},
     ],
     "checkpoint": {"every_steps": 4, "keep_last": 2},
     "invariance": {"probe_batch_size": 2, "probe_seq_len": 32},
@@ -150,7 +152,8 @@ def test_what_does_not_map_exactly_is_refused_with_the_reason(tmp_path):
 
 @pytest.fixture(scope="module")
 def upcycled(tmp_path_factory):
-    """The Llama seed grown by a real `growtrain run`: upcycle, deepen + split + widen, NF4 + dense LoRA."""
+    """The Llama seed grown by a real `growtrain run` through every operator: upcycle; deepen, split,
+    widen d_model, widen the experts, add heads, clone experts; quantize, merge the adapters, dense LoRA."""
     root = tmp_path_factory.mktemp("residual")
     path = _hf_checkpoint(root, "llama", initializer_range=0.02)  # Llama's own init: NF4's error stays within the bars
     recipe = _write(root / "upcycle.yaml", {**copy.deepcopy(RECIPE), "model": {"init_from": str(path)}})
@@ -165,7 +168,8 @@ def test_the_imported_seed_grows_through_every_operator_with_its_checks_passing(
     assert "import check: logits against transformers' LlamaForCausalLM of the checkpoint" in log and "— passed" in log
     report = json.loads(run_cli("inspect", root / "run", "--json").stdout)
     ops = [(t["operator"], t["passed"]) for t in report["transitions"]]
-    assert [o for o, _ in ops if o != "transition"] == ["upcycle_moe", "deepen", "split_experts", "widen_hidden", "quantize_experts", "add_dense_lora"]
+    assert [o for o, _ in ops if o != "transition"] == ["upcycle_moe", "deepen", "split_experts", "widen_hidden", "widen_ffn", "add_heads",
+                                                        "clone_experts", "quantize_experts", "merge_adapters", "add_dense_lora"]
     assert all(passed for _, passed in ops)
     exact = {t["operator"]: t["max_abs_dlogits"] for t in report["transitions"] if t["exact"]}
     assert exact and max(exact.values()) < 1e-4, exact
