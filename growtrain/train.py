@@ -617,6 +617,10 @@ class Run:
         # Runtime state, not shape: set on the model as built or restored, and again after each growth.
         backend = self.model.set_expert_backend(recipe.train.expert_backend)
         self.log(f"expert backend: {backend} (train.expert_backend: {recipe.train.expert_backend})")
+        if recipe.model.block == "residual":
+            self.log("model: residual blocks, " + (
+                "each checkpointed (model.reversible: residual blocks are not invertible; each block's input is kept and the "
+                "block recomputed in backward with the forward's routing)" if recipe.model.reversible else "plain autograd (model.reversible: false)"))
         if backend == "triton":
             self.log(f"  {triton_route(self.device, torch.bfloat16 if recipe.train.precision == 'bf16' else torch.float32)}")
         if self.dist.is_main:

@@ -166,6 +166,7 @@ def test_the_imported_seed_grows_through_every_operator_with_its_checks_passing(
     root, _, path, log = upcycled
     assert f"imported from {path}" in log
     assert "import check: logits against transformers' LlamaForCausalLM of the checkpoint" in log and "— passed" in log
+    assert "model: residual blocks, each checkpointed" in log
     report = json.loads(run_cli("inspect", root / "run", "--json").stdout)
     ops = [(t["operator"], t["passed"]) for t in report["transitions"]]
     assert [o for o, _ in ops if o != "transition"] == ["upcycle_moe", "deepen", "split_experts", "widen_hidden", "widen_ffn", "add_heads",
@@ -177,10 +178,10 @@ def test_the_imported_seed_grows_through_every_operator_with_its_checks_passing(
 
 def test_a_killed_residual_run_resumes_with_the_uninterrupted_losses(upcycled, tmp_path):
     root, recipe, _, _ = upcycled
-    from conftest import kill_and_resume
+    from conftest import assert_same_run, kill_and_resume
 
     kill_and_resume(recipe, tmp_path / "run", "step_mid:7")
-    assert losses(tmp_path / "run") == losses(root / "run")
+    assert_same_run(tmp_path / "run", root / "run", 16)  # every loss, and the final weights bit for bit
 
 
 _LOAD = """
@@ -300,12 +301,12 @@ EP_RESIDUAL = {
     "name": "residual-ep", "seed": 1,
     "model": {"block": "residual", "d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64},
     "data": {"source": "builtin:pydoc_topics", "max_bytes": 60_000, "eval_fraction": 0.1},
-    "optimizer": {"lr": 0.003}, "train": {"log_every": 2, "eval_every": 4, "eval_batches": 1},
+    "optimizer": {"lr": 0.003}, "train": {"log_every": 2, "eval_every": 4, "eval_batches": 1, "grow_on": "host"},
     "schedule": {"kind": "wsd", "warmup_steps": 2},
     "stages": [
         {"name": "dense", "steps": 4, "seq_len": 32, "batch_size": 4},
         {"name": "moe", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2}]},
-        {"name": "split", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "split_experts", "factor": 2}]},
+        {"name": "split", "steps": 4, "seq_len": 32, "batch_size": 4, "grow": [{"op": "split_experts", "factor": 2}, {"op": "quantize_experts", "r": 4}]},
     ],
     "checkpoint": {"every_steps": 4}, "invariance": {"probe_batch_size": 2, "probe_seq_len": 32},
     "tracking": {"wandb": {"mode": "disabled"}, "progress_bar": False},
@@ -314,7 +315,9 @@ EP_RESIDUAL = {
 
 def test_residual_blocks_at_ep2_train_and_grow_as_one_process(tmp_path):
     """Checkpointed residual blocks under expert parallelism (NCCL's rules checked on gloo): the
-    recompute reissues each MoE block's dispatch in the same order on every rank."""
+    recompute reissues each MoE block's dispatch in the same order on every rank. Growth on the host
+    (train.grow_on), the split and the quantization streamed one MoE layer at a time (invariance.stream),
+in both layouts."""
     from test_expert_parallel import FP32_RTOL, growtrain_torchrun
 
     recipe = _write(tmp_path / "r.yaml", EP_RESIDUAL)
@@ -322,6 +325,8 @@ def test_residual_blocks_at_ep2_train_and_grow_as_one_process(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     ep = growtrain_torchrun(2, "run", recipe, "--out", tmp_path / "ep2")
     assert ep.returncode == 0, ep.stdout[-2000:] + ep.stderr[-3000:]
+    for log in (one.stdout, ep.stdout):
+        assert "on the host" in log and "split_experts+quantize_experts: layer 2/2 (block 1) grown and checked" in log, log[-3000:]
     got, want = losses(tmp_path / "ep2"), losses(tmp_path / "one")
     assert [s for s, *_ in got] == list(range(1, 13))
     for (step, a, _), (_, b, _) in zip(got, want):
@@ -337,7 +342,8 @@ def test_residual_blocks_are_refused_in_the_af_layout_with_the_reason(tmp_path):
 def test_the_shipped_upcycle_recipe_runs_on_a_local_llama_and_exports_as_mixtral(tmp_path):
     """recipes/upcycle-llama.yaml as the README runs it (`--set model.init_from=PATH`), steps cut short."""
     path = _hf_checkpoint(tmp_path, "llama", initializer_range=0.02)
-    short = [f"stages.{i}.steps=2" for i in range(3)] + ["schedule.warmup_steps=1", "tracking.wandb.mode=disabled", "train.eval_every=2", "checkpoint.every_steps=2"]
+    short = [f"stages.{i}.{k}={v}" for i in range(3) for k, v in (("steps", 2), ("seq_len", 32), ("batch_size", 4))]
+    short += ["schedule.warmup_steps=1", "tracking.wandb.mode=disabled", "train.eval_every=2", "checkpoint.every_steps=2", "invariance.probe_seq_len=32"]
     sets = [a for s in [f"model.init_from={path}", *short] for a in ("--set", s)]
     done = run_cli("run", "upcycle-llama", "--out", tmp_path / "run", *sets)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
