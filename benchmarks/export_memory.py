@@ -12,7 +12,7 @@ table shows what the export adds on top of it.
 
     python benchmarks/export_memory.py [--json] [--gb 1.2] [--nf4] [--max-shard-size 500MB]
 
-Target: export peak RSS - interpreter <= 3 x hf_export.CHUNK_BYTES (a chunk read, merged, cast),
+Target: export peak RSS - interpreter <= 3 x hf_common.CHUNK_BYTES (a chunk read, merged, cast),
 whatever the model size; the baseline grows with the model.
 """
 
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--max-shard-size", default="500MB")
     args = ap.parse_args()
 
-    from growtrain import hf_export
+    from growtrain import hf_common
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -125,17 +125,17 @@ def main() -> None:
             rows.append({"what": "load_file + save_file (baseline)", "peak_rss_mb": rss, "seconds": secs, "files": 1, "largest_file_mb": size, "written_mb": size})
 
     print(f"model: {model_bytes / 1e9:.2f} GB at float32 ({'NF4 + LoRA experts, merged on export' if args.nf4 else 'full-precision experts'}); "
-          f"checkpoint written in {setup_s:.0f} s; chunk {hf_export.CHUNK_BYTES >> 20} MiB; interpreter alone {base_rss:.0f} MB")
+          f"checkpoint written in {setup_s:.0f} s; chunk {hf_common.CHUNK_BYTES >> 20} MiB; interpreter alone {base_rss:.0f} MB")
     print(f"{'what':<34} {'peak RSS MB':>12} {'- interp. MB':>13} {'s':>7} {'files':>6} {'largest MB':>11} {'written MB':>11}")
     for r in rows:
         print(f"{r['what']:<34} {r['peak_rss_mb']:>12.0f} {r['peak_rss_mb'] - base_rss:>13.0f} {r['seconds']:>7.1f} {r['files']:>6} "
               f"{r['largest_file_mb']:>11.0f} {r['written_mb']:>11.0f}")
-    bound = 3 * hf_export.CHUNK_BYTES / 1e6
+    bound = 3 * hf_common.CHUNK_BYTES / 1e6
     added = max(r["peak_rss_mb"] - base_rss for r in rows if r["what"].startswith("export-hf"))
     print(f"export adds at most {added:.0f} MB over the interpreter (bound {bound:.0f} MB: {'met' if added <= bound else 'NOT met'})")
     if args.json:
         print(json.dumps({"benchmark": "export_memory", "model_gb": model_bytes / 1e9, "nf4": args.nf4, "interpreter_rss_mb": base_rss,
-                          "chunk_mb": hf_export.CHUNK_BYTES / 1e6, "bound_mb": bound, "export_added_mb": added, "rows": rows}))
+                          "chunk_mb": hf_common.CHUNK_BYTES / 1e6, "bound_mb": bound, "export_added_mb": added, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ What the folder holds:
 
 Memory: the export never holds the model. Every output tensor is produced in chunks of rows along
 its first dimension (experts of a stacked expert tensor, rows of a matrix), each at most
-`CHUNK_BYTES` in float32, read from the checkpoint with plain file reads (no memory map that
+`hf_common.CHUNK_BYTES` in float32, read from the checkpoint with plain file reads (no memory map that
 would count the whole file as resident) and written straight into a safetensors file whose header
 is laid out beforehand. Peak memory is the interpreter plus a few chunks, whatever the model size.
 
@@ -26,32 +26,29 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import re
 import shutil
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-from growtrain.checkpoint import META_FILE, MODEL_FILE, CheckpointError, read_meta
+from growtrain.checkpoint import MODEL_FILE, CheckpointError, read_meta
 from growtrain.durable import fsync_dir, fsync_file
 from growtrain.expert_shards import expert_range, is_expert_tensor
 from growtrain.export import ExportError, base_config
+from growtrain.hf_common import OutTensor, shape_config
 from growtrain.hf_native import native_class, native_config, native_tensors
 from growtrain.model.config import ModelConfig
 from growtrain.model.nf4 import MATRICES
-from growtrain.tokenizer import CHECKPOINT_TOKENIZER
 
 REMOTE_DIR = Path(__file__).parent / "hf_remote"
 REMOTE_FILES = ("configuration_growlm.py", "modeling_growlm.py")
 MODEL_TYPE = "growlm"
 ARCHITECTURE = "GrowLMForCausalLM"
-CHUNK_BYTES = 256 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXPERT_FORMATS = ("merged", "nf4")
 BYTE_EOS_TOKEN = "<|endoftext|>"
@@ -165,32 +162,6 @@ class CheckpointTensors:
 
 # ---------------------------------------------------------------------------------------------
 # What is written: growtrain's base-model tensors under transformers' names, produced by rows
-
-
-@dataclass
-class OutTensor:
-    name: str  # growtrain's base-model name, then the exported model's (hf_name, hf_native)
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    rows: Callable[[int, int], torch.Tensor]  # rows [lo, hi) along dim 0, float32 or the source dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-    def chunks(self) -> Iterator[torch.Tensor]:
-        """The tensor in row chunks of at most CHUNK_BYTES at float32, cast to `dtype`."""
-        if not self.shape:
-            yield self.rows(0, 1).reshape(()).to(self.dtype)
-            return
-        per_row = max(1, math.prod(self.shape[1:]) * 4)
-        step = max(1, CHUNK_BYTES // per_row)
-        for lo in range(0, self.shape[0], step):
-            hi = min(lo + step, self.shape[0])
-            chunk = self.rows(lo, hi)
-            if tuple(chunk.shape) != (hi - lo, *self.shape[1:]):
-                raise ExportError(f"{self.name}: rows {lo}..{hi} came out as {tuple(chunk.shape)}, expected {(hi - lo, *self.shape[1:])}")
-            yield chunk.to(self.dtype).contiguous()
 
 
 def hf_name(name: str) -> str:
@@ -352,26 +323,14 @@ def hf_config(cfg: ModelConfig, dtype: str, max_positions: int, eos_id: int) -> 
         "architectures": [ARCHITECTURE],
         "auto_map": {"AutoConfig": "configuration_growlm.GrowLMConfig", "AutoModelForCausalLM": f"modeling_growlm.{ARCHITECTURE}"},
         "block_type": cfg.block,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_size,
+        **shape_config(cfg, max_positions, eos_id),
         "intermediate_size": cfg.ffn_hidden,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": max_positions,
         "moe_layers": list(cfg.moe_layers),
         "num_experts": moe.num_experts if moe else 0,
         "num_experts_per_tok": moe.top_k if moe else 0,
         "moe_intermediate_size": moe.expert_hidden if moe else 0,
         "router_score_func": moe.score_func if moe else "softmax",
         "shared_expert_intermediate_size": moe.shared_expert_hidden if moe else 0,
-        "initializer_range": cfg.init_std,
-        "use_cache": True,
-        "eos_token_id": eos_id,
-        "tie_word_embeddings": False,
         "dtype": dtype,
         "torch_dtype": dtype,  # transformers 4 reads this name
     }

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from growtrain.hf_common import OutTensor, shape_config
 from growtrain.model.config import ModelConfig
 
 
@@ -64,19 +65,8 @@ def _rope(cfg: ModelConfig) -> dict:
 def native_config(arch: str, cfg: ModelConfig, dtype: str, max_positions: int, eos_id: int) -> dict:
     common = {
         "architectures": [arch],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_size,
+        **shape_config(cfg, max_positions, eos_id),
         "hidden_act": "silu",
-        "max_position_embeddings": max_positions,
-        "rms_norm_eps": cfg.norm_eps,
-        "initializer_range": cfg.init_std,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "eos_token_id": eos_id,
         "attention_dropout": 0.0,
         "dtype": dtype,
         "torch_dtype": dtype,
@@ -115,10 +105,8 @@ _MIXTRAL_EXPERT = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
 
 
 def native_tensors(arch: str, cfg: ModelConfig, tensors: list) -> list:
-    """The export's tensors (hf_export.OutTensor, named as growtrain's base model) renamed, split
+    """The export's tensors (hf_common.OutTensor, named as growtrain's base model) renamed, split
     per expert, and completed (zero biases, zero shared-expert gate) for `arch`."""
-    from growtrain.hf_export import OutTensor
-
     out: list[OutTensor] = []
     for t in tensors:
         name = t.name
@@ -201,8 +189,6 @@ def _absent_shared_experts(arch: str, cfg: ModelConfig, written: list) -> list:
 
 def _padded(t, name: str, width: int, along: int):
     """`t` ([F, D], or [D, F] with along=1) with zero neurons appended up to `width`."""
-    from growtrain.hf_export import OutTensor
-
     shape = list(t.shape)
     missing = width - shape[along]
     shape[along] = width
@@ -214,20 +200,14 @@ def _padded(t, name: str, width: int, along: int):
 
 
 def _renamed(t, name: str, scale: float = 1.0):
-    from growtrain.hf_export import OutTensor
-
     rows = t.rows if scale == 1.0 else (lambda lo, hi, rows=t.rows: rows(lo, hi).float() * scale)
     return OutTensor(name, t.shape, t.dtype, rows)
 
 
 def _expert(t, e: int, name: str):
     """Expert e's matrix of a stacked [E, ...] tensor, as a tensor of its own."""
-    from growtrain.hf_export import OutTensor
-
     return OutTensor(name, t.shape[1:], t.dtype, lambda lo, hi, rows=t.rows: rows(e, e + 1)[0][lo:hi])
 
 
 def _zeros(name: str, shape: tuple, dtype: torch.dtype):
-    from growtrain.hf_export import OutTensor
-
     return OutTensor(name, tuple(shape), dtype, lambda lo, hi: torch.zeros((hi - lo, *shape[1:])))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import growtrain.hf_common as hf_common
 import growtrain.hf_export as hf_export
 from conftest import MICRO, REPO, cli_env, run_cli
 from growtrain.checkpoint import CheckpointConfig, CheckpointManager, file_entry, read_meta, shard_file_name, write_shard_file
@@ -142,11 +142,11 @@ def exported(tmp_path_factory):
         _save(root / name, model, _meta(template, model), ep=2 if name.endswith("ep2") else 1, tokenizer=tokenizer)
         out = root / "out" / name
         if name == "nf4_ep2":  # rows streamed in many small chunks, across the shard files' boundaries
-            chunk, hf_export.CHUNK_BYTES = hf_export.CHUNK_BYTES, 3000
+            chunk, hf_common.CHUNK_BYTES = hf_common.CHUNK_BYTES, 3000
             try:
                 export_hf(root / name, out, log=lambda s: None)
             finally:
-                hf_export.CHUNK_BYTES = chunk
+                hf_common.CHUNK_BYTES = chunk
         else:
             export_hf(root / name, out, max_shard_size="60KB" if name == "moe_softmax" else "5GB", log=lambda s: None)
         tokens = torch.randint(0, V - 1, (2, 24), generator=gen)

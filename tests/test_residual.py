@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, cli_env, losses, run_cli
+from conftest import cli_env, losses, run_cli
 from growtrain.hf_export import byte_tokenizer_json, export_hf
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.recipe import RecipeError, load_recipe

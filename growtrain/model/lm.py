@@ -58,8 +58,9 @@ def check_config(config: ModelConfig) -> None:
         raise ValueError("invalid model config:\n  - " + "\n  - ".join(problems))
 
 
-class CouplingBlock(nn.Module):
-    """y1 = x1 + F(x2); y2 = x2 + G(y1). Inverse: x2 = y2 - G(y1); x1 = y1 - F(x2)."""
+class _Block(nn.Module):
+    """What both block kinds hold, under the same names (growth operators and checkpoints address
+    them alike): F = attention(RMSNorm(.)) as `f`, G = FFN or MoE (RMSNorm(.)) as `g`."""
 
     def __init__(self, config: ModelConfig, index: int):
         super().__init__()
@@ -74,6 +75,10 @@ class CouplingBlock(nn.Module):
     @property
     def is_moe(self) -> bool:
         return self.g.is_moe
+
+
+class CouplingBlock(_Block):
+    """y1 = x1 + F(x2); y2 = x2 + G(y1). Inverse: x2 = y2 - G(y1); x1 = y1 - F(x2)."""
 
     def forward(
         self, x1: torch.Tensor, x2: torch.Tensor, routing: torch.Tensor | None = None, cache: AttentionCache | None = None
@@ -86,28 +91,13 @@ class CouplingBlock(nn.Module):
         return y1, y2, stats
 
 
-class ResidualBlock(nn.Module):
-    """The standard pre-norm block on one stream: h = x + F(x); y = h + G(h) (F, G as in a coupling
-    block, under the same names, so growth operators and checkpoints address both alike).
+class ResidualBlock(_Block):
+    """The standard pre-norm block on one stream: h = x + F(x); y = h + G(h).
 
     It takes and returns the coupling blocks' two streams, both holding the one residual stream:
     x2 is x1 on the way in, and y is returned as both outputs, so the embedding, the head's
     (y1 + y2) / 2 (exactly y: doubling and halving are exact in binary floating point), the KV-cache
     decoding and the block loops are shared with the coupling model."""
-
-    def __init__(self, config: ModelConfig, index: int):
-        super().__init__()
-        self.index = index
-        self.f = AttentionBranch(config)
-        if config.is_moe_layer(index):
-            ffn: nn.Module = MoE(config)
-        else:
-            ffn = SwiGLU(config.d_model, config.ffn_hidden, config.init_std, out_proj_std(config))
-        self.g = FFNBranch(config, ffn)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.g.is_moe
 
     def forward(
         self, x1: torch.Tensor, x2: torch.Tensor, routing: torch.Tensor | None = None, cache: AttentionCache | None = None
