@@ -486,8 +486,9 @@ class Run:
         self.console.write(f"checkpoint {path.name}{' (stage end)' if stage_end else ' (after growth)' if grown else ''}")
 
     def _import_seed(self, path: str) -> None:
-        """model.init_from: the seed's weights from a local Hugging Face checkpoint (growtrain/hf_import.py)."""
-        from growtrain.hf_import import import_state
+        """model.init_from: the seed's weights from a local Hugging Face checkpoint (growtrain/hf_import.py),
+        checked like an exact growth operator against transformers' own forward of it."""
+        from growtrain.hf_import import import_check, import_state
 
         state = import_state(Path(path), self.model.config.n_layers)
         with torch.no_grad():
@@ -495,9 +496,6 @@ class Run:
         if missing or unexpected:
             raise RecipeError([f"model.init_from: {path} does not fill the seed model (missing {missing[:3]}, unexpected {unexpected[:3]})"])
         self.log(f"model: the seed's weights imported from {path} ({len(state)} tensors)")
-        from growtrain.hf_import import import_check
-        from growtrain.stages import GrowthCheckFailed
-
         seq = self.recipe.invariance.probe_seq_len or self.recipe.stages[0].seq_len
         was_training = self.model.training
         self.model.eval()
