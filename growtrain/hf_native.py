@@ -38,8 +38,6 @@ def native_class(cfg: ModelConfig, balance_bias_nonzero: bool) -> tuple[str | No
     """(transformers architecture, why) for a residual model; (None, why not) where none maps exactly."""
     if cfg.block != "residual":
         return None, "coupling blocks have no counterpart in transformers"
-    if cfg.dense_lora is not None:
-        pass  # merged on export like everything else
     if not cfg.moe_layers:
         return "LlamaForCausalLM", "dense residual blocks are Llama's"
     moe = cfg.moe
