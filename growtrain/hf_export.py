@@ -323,6 +323,7 @@ def hf_config(cfg: ModelConfig, dtype: str, max_positions: int, eos_id: int) -> 
         "architectures": [ARCHITECTURE],
         "auto_map": {"AutoConfig": "configuration_growlm.GrowLMConfig", "AutoModelForCausalLM": f"modeling_growlm.{ARCHITECTURE}"},
         "block_type": cfg.block,
+        "qkv_bias": cfg.qkv_bias,
         **shape_config(cfg, max_positions, eos_id),
         "intermediate_size": cfg.ffn_hidden,
         "moe_layers": list(cfg.moe_layers),

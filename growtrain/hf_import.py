@@ -1,19 +1,21 @@
-"""`model.init_from: PATH`: a local Hugging Face checkpoint of the Llama family as the seed model
+"""`model.init_from: PATH`: a local Hugging Face checkpoint of the Llama family (Llama, Mistral,
+Qwen2) as the seed model
 (DESIGN.md §16, interop). Residual blocks compute exactly what these classes compute, weight for
 weight:
 
-    transformers (LlamaForCausalLM, MistralForCausalLM)      growtrain (model.block: residual)
+    transformers (Llama/Mistral/Qwen2ForCausalLM)           growtrain (model.block: residual)
     model.embed_tokens.weight                                  embed.weight
     model.layers.{i}.input_layernorm.weight                    blocks.{i}.f.norm.weight
     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight           blocks.{i}.f.attn.w{q,k,v,o}.weight
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias (Qwen2)       blocks.{i}.f.attn.w{q,k,v}.bias (model.qkv_bias)
     model.layers.{i}.post_attention_layernorm.weight           blocks.{i}.g.norm.weight
     model.layers.{i}.mlp.{gate,up,down}_proj.weight            blocks.{i}.g.ffn.w_{gate,up,down}.weight
     model.norm.weight                                          final_norm.weight
     lm_head.weight (or the embedding, when tied)               lm_head.weight
 
 RMSNorm in float32, rotate-half RoPE with the checkpoint's theta, GQA, SwiGLU, attention scaled
-by 1/sqrt(head_dim), untied head. What does not map is refused with the reason: biases on the
-projections (Qwen2), q/k norms (Qwen3), RoPE scaling (Llama 3.1's and others), activations other
+by 1/sqrt(head_dim), untied head, Qwen2's q/k/v biases. What does not map is refused with the
+reason: a bias on the output projection or the MLP, q/k norms (Qwen3), RoPE scaling (Llama 3.1's and others), activations other
 than SiLU, a sliding window shorter than a stage's sequence. The import is checked like a growth
 operator by the tests: logits equal transformers' own forward of the checkpoint.
 """
@@ -25,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED = ("llama", "mistral")
+SUPPORTED = ("llama", "mistral", "qwen2")
 REFUSED = {
-    "qwen2": "Qwen2 has biases on its q/k/v projections, which growtrain's attention does not hold yet",
     "qwen3": "Qwen3 normalizes queries and keys per head (q_norm / k_norm), which growtrain's attention does not do yet",
     "gemma": "Gemma scales the embedding and its norms by (1 + weight)",
 }
@@ -37,6 +38,9 @@ _LAYER_MAP = {
     "self_attn.k_proj.weight": "f.attn.wk.weight",
     "self_attn.v_proj.weight": "f.attn.wv.weight",
     "self_attn.o_proj.weight": "f.attn.wo.weight",
+    "self_attn.q_proj.bias": "f.attn.wq.bias",  # Qwen2
+    "self_attn.k_proj.bias": "f.attn.wk.bias",
+    "self_attn.v_proj.bias": "f.attn.wv.bias",
     "post_attention_layernorm.weight": "g.norm.weight",
     "mlp.gate_proj.weight": "g.ffn.w_gate.weight",
     "mlp.up_proj.weight": "g.ffn.w_up.weight",
@@ -101,6 +105,7 @@ def shape_fields(path: Path) -> dict:
         "head_dim": int(c.get("head_dim") or c["hidden_size"] // heads),
         "ffn_hidden": int(c["intermediate_size"]),
         "rope_theta": theta,
+        "qkv_bias": family == "qwen2",  # Qwen2's q/k/v projections always carry biases
         "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
         "init_std": float(c.get("initializer_range", 0.02)),
     }

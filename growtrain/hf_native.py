@@ -2,8 +2,9 @@
 layouts inference engines (vLLM, SGLang) load natively (DESIGN.md §16, interop).
 
     dense                                                    LlamaForCausalLM
+    dense with q/k/v biases (model.qkv_bias)                 Qwen2ForCausalLM
     every block MoE, no shared expert (softmax)              MixtralForCausalLM
-    MoE in some blocks, or a shared expert (softmax)         Qwen2MoeForCausalLM
+    MoE in some blocks, a shared expert or q/k/v biases      Qwen2MoeForCausalLM
     sigmoid router (balance bias), MoE blocks after dense    Glm4MoeForCausalLM
 
 Each mapping is exact: the same RMSNorm, rotate-half RoPE, GQA and SwiGLU; Mixtral's and
@@ -11,7 +12,7 @@ Qwen2-MoE's routers take softmax over all experts, top-k, and renormalize the ch
 (`norm_topk_prob`), which is growtrain's softmax routing. Qwen2-MoE's shared expert is gated by
 sigmoid(shared_expert_gate · x): a zero gate gives exactly 1/2, so its down-projection is written
 doubled (exact in binary floating point); without a shared expert it gets one zero neuron. Its
-q/k/v biases (always present in transformers 4) are written as zeros. Experts are written one
+q/k/v biases (always present in transformers 4) are the model's, or zeros without model.qkv_bias. Experts are written one
 tensor per expert and matrix (the layout transformers 4 defines and transformers 5 converts on load).
 
 GLM-4-MoE routes as growtrain's sigmoid router does: sigmoid scores, top-k over scores plus a
@@ -39,6 +40,8 @@ def native_class(cfg: ModelConfig, balance_bias_nonzero: bool) -> tuple[str | No
     if cfg.block != "residual":
         return None, "coupling blocks have no counterpart in transformers"
     if not cfg.moe_layers:
+        if cfg.qkv_bias:
+            return "Qwen2ForCausalLM", "dense residual blocks with q/k/v biases are Qwen2's"
         return "LlamaForCausalLM", "dense residual blocks are Llama's"
     moe = cfg.moe
     if moe.score_func == "sigmoid":
@@ -50,9 +53,9 @@ def native_class(cfg: ModelConfig, balance_bias_nonzero: bool) -> tuple[str | No
         return "Glm4MoeForCausalLM", "sigmoid routing with a selection bias (GLM-4-MoE's e_score_correction_bias), MoE blocks after the dense ones"
     if balance_bias_nonzero:
         return None, "a nonzero balance bias with softmax routing: Mixtral and Qwen2-MoE have no selection bias"
-    if len(cfg.moe_layers) == cfg.n_layers and not moe.shared_expert_hidden:
+    if len(cfg.moe_layers) == cfg.n_layers and not moe.shared_expert_hidden and not cfg.qkv_bias:
         return "MixtralForCausalLM", "every block MoE, softmax routing, no shared expert"
-    return "Qwen2MoeForCausalLM", "softmax routing with dense blocks or a shared expert"
+    return "Qwen2MoeForCausalLM", "softmax routing with dense blocks, a shared expert or q/k/v biases"
 
 
 def _rope(cfg: ModelConfig) -> dict:
@@ -72,6 +75,9 @@ def native_config(arch: str, cfg: ModelConfig, dtype: str, max_positions: int, e
     }
     if arch == "LlamaForCausalLM":
         return {"model_type": "llama", **common, "intermediate_size": cfg.ffn_hidden, "attention_bias": False, "mlp_bias": False}
+    if arch == "Qwen2ForCausalLM":
+        return {"model_type": "qwen2", **common, "intermediate_size": cfg.ffn_hidden, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": cfg.n_layers}
     moe = cfg.moe
     if arch == "MixtralForCausalLM":
         return {
@@ -85,7 +91,7 @@ def native_config(arch: str, cfg: ModelConfig, dtype: str, max_positions: int, e
             "model_type": "glm4_moe", **common, "rope_parameters": rope, "partial_rotary_factor": 1.0, "intermediate_size": cfg.ffn_hidden,
             "moe_intermediate_size": moe.expert_hidden, "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "n_shared_experts": glm_shared_experts(cfg), "first_k_dense_replace": cfg.n_layers - len(cfg.moe_layers), "n_group": 1,
-            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "attention_bias": False, "use_qk_norm": False,
+            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "attention_bias": cfg.qkv_bias, "use_qk_norm": False,
             "num_nextn_predict_layers": 0,
         }
     return {
@@ -120,10 +126,11 @@ def native_tensors(arch: str, cfg: ModelConfig, tensors: list) -> list:
             if branch == "f":
                 if rest == "norm.weight":
                     out.append(_renamed(t, f"{layer}.input_layernorm.weight"))
-                else:  # attn.wq.weight
-                    proj = _ATTN[rest.split(".")[1]]
-                    out.append(_renamed(t, f"{layer}.self_attn.{proj}.weight"))
-                    if arch == "Qwen2MoeForCausalLM" and proj != "o_proj":
+                else:  # attn.wq.weight, attn.wq.bias
+                    _, matrix, kind = rest.split(".")
+                    proj = _ATTN[matrix]
+                    out.append(_renamed(t, f"{layer}.self_attn.{proj}.{kind}"))
+                    if arch == "Qwen2MoeForCausalLM" and proj != "o_proj" and kind == "weight" and not cfg.qkv_bias:
                         out.append(_zeros(f"{layer}.self_attn.{proj}.bias", (t.shape[0],), t.dtype))
             elif rest == "norm.weight":
                 out.append(_renamed(t, f"{layer}.post_attention_layernorm.weight"))

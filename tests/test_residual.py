@@ -29,12 +29,16 @@ V = 257
 def _hf_checkpoint(root: Path, family: str = "llama", **changes) -> Path:
     """A small random checkpoint of `family` saved by transformers, with growtrain's byte tokenizer file."""
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM), "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM), "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
     settings = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1)
     settings.update(changes)
     torch.manual_seed(0)
     model = cls[1](cls[0](**settings)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # transformers starts biases at zero: nonzero ones must map too
+                p.normal_(0.0, 0.1)
     path = root / family
     model.save_pretrained(path)
     (path / "tokenizer.json").write_text(byte_tokenizer_json())
@@ -111,12 +115,13 @@ def test_residual_blocks_decode_with_the_kv_cache_as_the_full_forward():
 # --------------------------------------------------------------------------------- import
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_an_imported_checkpoint_gives_transformers_logits(tmp_path, family):
     path = _hf_checkpoint(tmp_path, family, rope_theta=50000.0) if family == "llama" else _hf_checkpoint(tmp_path, family)
     recipe = _write(tmp_path / "r.yaml", {**copy.deepcopy(RECIPE), "model": {"init_from": str(path)}})
     ours = _imported(recipe)
     assert ours.config.block == "residual" and ours.config.n_kv_heads == 2 and ours.config.d_model == 64
+    assert ours.config.qkv_bias == (family == "qwen2")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -133,10 +138,12 @@ def test_an_imported_checkpoint_gives_transformers_logits(tmp_path, family):
 
 
 def test_what_does_not_map_exactly_is_refused_with_the_reason(tmp_path):
-    qwen = _hf_checkpoint(tmp_path, "qwen2")
+    qwen3 = _hf_checkpoint(tmp_path, "qwen3")
     scaled = _hf_checkpoint(tmp_path / "s", "llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    biased = _hf_checkpoint(tmp_path / "b", "llama", attention_bias=True)
     cases = [
-        ({"init_from": str(qwen)}, "biases on its q/k/v"),
+        ({"init_from": str(qwen3)}, "q_norm / k_norm"),
+        ({"init_from": str(biased)}, "attention_bias: true"),
         ({"init_from": str(scaled)}, "RoPE type 'linear'"),
         ({"init_from": str(tmp_path / "nowhere")}, "no config.json"),
         ({"init_from": str(_hf_checkpoint(tmp_path / "l", "llama")), "d_model": 128}, "model.d_model: 128, but model.init_from's config.json says 64"),
@@ -217,6 +224,14 @@ def _tokenizer_copy(root: Path) -> dict:
     return {"tokenizer.json": (root / "run" / "tokenizer.json").read_text()}
 
 
+def _with_qkv_biases(model: GrowLM) -> GrowLM:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
 def _biased(model: GrowLM) -> GrowLM:
     """A balance bias large enough to change which experts are chosen."""
     with torch.no_grad():
@@ -248,7 +263,8 @@ def test_export_hf_writes_transformers_own_classes_for_residual_models(upcycled,
               # a sigmoid router with a nonzero balance bias, MoE after a dense block: with a 24-neuron
               # shared expert (padded to 2 x 16 for GLM) and without one
               "glm": _biased(_model(base.with_changes(moe=replace(sigmoid, shared_expert_hidden=24), moe_layers=(1,)), 5)),
-              "glm_unshared": _biased(_model(base.with_changes(moe=sigmoid, moe_layers=(1,)), 6))}
+              "glm_unshared": _biased(_model(base.with_changes(moe=sigmoid, moe_layers=(1,)), 6)),
+              "qwen2": _with_qkv_biases(_model(base.with_changes(qkv_bias=True), 7))}
     dirs = {}
     for name, model in models.items():
         src = root / "run" if name == "run" else tmp_path / name
@@ -265,7 +281,7 @@ def test_export_hf_writes_transformers_own_classes_for_residual_models(upcycled,
         assert (unbiased(tokens).logits - models["glm"](tokens).logits).abs().max() > 1e-3  # the bias changes the choice: its mapping matters
     got = _load_natively(tmp_path, dirs, tokens)
     assert {k: v["class"] for k, v in got.items()} == {"run": "MixtralForCausalLM", "dense": "LlamaForCausalLM", "mixed": "Qwen2MoeForCausalLM",
-                                                        "glm": "Glm4MoeForCausalLM", "glm_unshared": "Glm4MoeForCausalLM"}
+                                                        "glm": "Glm4MoeForCausalLM", "glm_unshared": "Glm4MoeForCausalLM", "qwen2": "Qwen2ForCausalLM"}
     for name, model in models.items():
         with torch.no_grad():
             want = model(tokens).logits
@@ -311,6 +327,38 @@ EP_RESIDUAL = {
     "checkpoint": {"every_steps": 4}, "invariance": {"probe_batch_size": 2, "probe_seq_len": 32},
     "tracking": {"wandb": {"mode": "disabled"}, "progress_bar": False},
 }
+
+
+def test_a_qwen2_seed_with_qkv_biases_grows_through_the_attention_operators_and_exports_as_qwen2_moe(tmp_path):
+    """Qwen2's q/k/v biases through the operators that touch attention (deepen, widen_hidden,
+    add_heads) with their checks, then transformers' Qwen2MoeForCausalLM with the biases."""
+    from growtrain.checkpoint import resolve
+    from growtrain.generate import load_model
+
+    path = _hf_checkpoint(tmp_path, "qwen2", initializer_range=0.02)
+    raw = copy.deepcopy(RECIPE)
+    raw["model"] = {"init_from": str(path)}
+    raw["stages"] = [
+        {"name": "seed", "steps": 2, "seq_len": 32, "batch_size": 4},
+        {"name": "moe", "steps": 2, "seq_len": 32, "batch_size": 4, "grow": [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2}]},
+        {"name": "grow", "steps": 2, "seq_len": 32, "batch_size": 4,
+         "grow": [{"op": "deepen", "after": [0]}, {"op": "widen_hidden", "factor": 2}, {"op": "add_heads", "add": 2}]},
+    ]
+    raw["checkpoint"] = {"every_steps": 2}
+    done = run_cli("run", _write(tmp_path / "q.yaml", raw), "--out", tmp_path / "run")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "— passed" in done.stdout and "import check" in done.stdout
+    report = json.loads(run_cli("inspect", tmp_path / "run", "--json").stdout)
+    assert all(t["passed"] and t["exact"] for t in report["transitions"])
+    export_hf(tmp_path / "run", tmp_path / "out", log=lambda s: None)
+    tokens = torch.randint(0, V - 1, (2, 24), generator=torch.Generator().manual_seed(4))
+    got = _load_natively(tmp_path, {"qwen": tmp_path / "out"}, tokens)["qwen"]
+    model = load_model(resolve(tmp_path / "run", log=lambda s: None))
+    assert any(n.endswith("wq.bias") and p.abs().max() > 0 for n, p in model.named_parameters())
+    with torch.no_grad():
+        want = model(tokens).logits
+    assert got["class"] == "Qwen2MoeForCausalLM"
+    assert (got["logits"] - want).abs().max().item() < 1e-5 * want.abs().max().item()
 
 
 def test_residual_blocks_at_ep2_train_and_grow_as_one_process(tmp_path):

@@ -22,6 +22,7 @@ class GrowLMConfig(PretrainedConfig):
         head_dim=32,
         intermediate_size=384,
         rope_theta=10000.0,
+        qkv_bias=False,
         rms_norm_eps=1e-6,
         max_position_embeddings=2048,
         block_type="coupling",
@@ -51,6 +52,7 @@ class GrowLMConfig(PretrainedConfig):
         self.head_dim = head_dim
         self.intermediate_size = intermediate_size
         self.rope_theta = rope_theta
+        self.qkv_bias = qkv_bias
         self.rms_norm_eps = rms_norm_eps
         self.max_position_embeddings = max_position_embeddings
         self.block_type = block_type

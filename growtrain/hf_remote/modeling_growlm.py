@@ -79,9 +79,10 @@ class GrowLMAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.rope_theta = config.rope_theta
         d = config.hidden_size
-        self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=False)
+        bias = getattr(config, "qkv_bias", False)
+        self.wq = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
 
     def forward(self, x_BTD, position_ids_BT, attention_mask_BS, past_key_values):
@@ -242,6 +243,8 @@ class GrowLMPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
         elif isinstance(module, GrowLMRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, GrowLMRouter):

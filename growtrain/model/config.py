@@ -120,6 +120,9 @@ class ModelConfig:
     head_dim: int = field(default=0, metadata={"doc": "Per-head width; 0 means d_model // n_heads."})
     ffn_hidden: int = field(default=384, metadata={"doc": "Hidden width of the dense SwiGLU FFN."})
     rope_theta: float = field(default=10000.0, metadata={"doc": "RoPE base."})
+    qkv_bias: bool = field(
+        default=False, metadata={"doc": "Biases on the query, key and value projections (Qwen2's layout; init_from sets it)."}
+    )
     norm_eps: float = field(default=1e-6, metadata={"doc": "RMSNorm epsilon."})
     init_std: float = field(default=0.02, metadata={"doc": "Std of the initial linear weights."})
     moe: MoEConfig | None = field(
@@ -148,7 +151,7 @@ class ModelConfig:
     init_from: str = field(
         default="",
         metadata={
-            "doc": "A local Hugging Face checkpoint folder (Llama / Mistral layout: config.json, safetensors) to start "
+            "doc": "A local Hugging Face checkpoint folder (Llama / Mistral / Qwen2 layout: config.json, safetensors) to start "
             "from instead of random weights: implies block residual, takes every shape field from its config.json "
             "(leave them unset), and its tokenizer.json becomes data.tokenizer unless one is named. A relative path is "
             "relative to the recipe file. No hub access."

@@ -81,15 +81,17 @@ class Attention(nn.Module):
         self.rope_theta = config.rope_theta
         self.init_std, self.out_std = config.init_std, out_proj_std(config)
         d, hd = config.d_model, self.head_dim
-        self.wq = nn.Linear(d, self.n_heads * hd, bias=False)
-        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.wq = nn.Linear(d, self.n_heads * hd, bias=config.qkv_bias)
+        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=config.qkv_bias)
+        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * hd, d, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         for lin in (self.wq, self.wk, self.wv):
             nn.init.normal_(lin.weight, mean=0.0, std=self.init_std)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
         nn.init.normal_(self.wo.weight, mean=0.0, std=self.out_std)
 
     def forward(self, x_BTD: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
