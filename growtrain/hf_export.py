@@ -187,10 +187,13 @@ def plan_tensors(cfg: ModelConfig, src: CheckpointTensors, dtype: torch.dtype) -
     out = []
     for name, t in skeleton.state_dict().items():
         shape = tuple(t.shape)
+        stem, _, kind = name.rpartition(".")
         if name in src:
             rows, parts = _read_rows(src, name), [name]
-        elif name.endswith(".weight") and name[: -len("weight")] + "base_layer.weight" in src:
+        elif kind == "weight" and f"{stem}.base_layer.weight" in src:
             rows, parts = _merged_dense_lora(cfg, src, name)
+        elif kind == "bias" and f"{stem}.base_layer.bias" in src:  # a peft-wrapped Linear's bias: LoRA leaves it as it is
+            rows, parts = _read_rows(src, f"{stem}.base_layer.bias"), [f"{stem}.base_layer.bias"]
         elif is_expert_tensor(name) and name.rsplit(".", 1)[-1] in MATRICES:
             rows, parts = _merged_nf4(cfg, src, name)
         else:

@@ -331,7 +331,8 @@ EP_RESIDUAL = {
 
 def test_a_qwen2_seed_with_qkv_biases_grows_through_the_attention_operators_and_exports_as_qwen2_moe(tmp_path):
     """Qwen2's q/k/v biases through the operators that touch attention (deepen, widen_hidden,
-    add_heads) with their checks, then transformers' Qwen2MoeForCausalLM with the biases."""
+    add_heads, peft LoRA on q/k/v/o) with their checks, then transformers' Qwen2MoeForCausalLM with
+    the biases and the LoRA merged."""
     from growtrain.checkpoint import resolve
     from growtrain.generate import load_model
 
@@ -342,7 +343,8 @@ def test_a_qwen2_seed_with_qkv_biases_grows_through_the_attention_operators_and_
         {"name": "seed", "steps": 2, "seq_len": 32, "batch_size": 4},
         {"name": "moe", "steps": 2, "seq_len": 32, "batch_size": 4, "grow": [{"op": "upcycle_moe", "num_experts": 4, "top_k": 2}]},
         {"name": "grow", "steps": 2, "seq_len": 32, "batch_size": 4,
-         "grow": [{"op": "deepen", "after": [0]}, {"op": "widen_hidden", "factor": 2}, {"op": "add_heads", "add": 2}]},
+         "grow": [{"op": "deepen", "after": [0]}, {"op": "widen_hidden", "factor": 2}, {"op": "add_heads", "add": 2},
+                  {"op": "add_dense_lora", "r": 4}]},
     ]
     raw["checkpoint"] = {"every_steps": 2}
     done = run_cli("run", _write(tmp_path / "q.yaml", raw), "--out", tmp_path / "run")
@@ -354,7 +356,7 @@ def test_a_qwen2_seed_with_qkv_biases_grows_through_the_attention_operators_and_
     tokens = torch.randint(0, V - 1, (2, 24), generator=torch.Generator().manual_seed(4))
     got = _load_natively(tmp_path, {"qwen": tmp_path / "out"}, tokens)["qwen"]
     model = load_model(resolve(tmp_path / "run", log=lambda s: None))
-    assert any(n.endswith("wq.bias") and p.abs().max() > 0 for n, p in model.named_parameters())
+    assert any(n.endswith("wq.base_layer.bias") and p.abs().max() > 0 for n, p in model.named_parameters())
     with torch.no_grad():
         want = model(tokens).logits
     assert got["class"] == "Qwen2MoeForCausalLM"
