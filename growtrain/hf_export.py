@@ -541,6 +541,8 @@ def export_hf(
     cfg = ModelConfig.from_dict(meta["model_config"])
     if experts == "nf4" and cfg.moe is not None and cfg.moe.expert_format == "nf4":
         raise ExportError(NF4_REFUSAL)
+    if experts == "nf4":
+        log("--experts nf4: this model has no NF4 experts; its weights are exported as trained")
     src = CheckpointTensors(ckpt, meta)
     tensors = plan_tensors(cfg, src, DTYPES[dtype])
     arch, why = native_class(cfg, any(bool(src.read(n).any()) for n in src.names() if n.endswith("router.balance_bias")))
@@ -595,7 +597,7 @@ def export_hf(
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} while exporting (nothing was left in {out})", str(out.parent)) from exc
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} while exporting (the partial export was removed; {out} is as it was)", str(out.parent)) from exc
         raise
     return {
         "checkpoint": str(ckpt),
