@@ -496,6 +496,10 @@ class Run:
         if missing or unexpected:
             raise RecipeError([f"model.init_from: {path} does not fill the seed model (missing {missing[:3]}, unexpected {unexpected[:3]})"])
         self.log(f"model: the seed's weights imported from {path} ({len(state)} tensors)")
+        if not self.dist.is_main:
+            # Every rank holds the same dense seed; one check (a second copy of the checkpoint in host
+            # memory) is enough, and its failure reaches the other ranks as a peer's error.
+            return
         seq = self.recipe.invariance.probe_seq_len or self.recipe.stages[0].seq_len
         was_training = self.model.training
         self.model.eval()
