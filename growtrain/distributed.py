@@ -60,6 +60,7 @@ from growtrain.model import GrowLM
 from growtrain.model.af import AFGroup, shard_af_model
 from growtrain.model.expert_parallel import EPGroup, shard_experts
 from growtrain.optim import ParamState
+from growtrain.optim8bit import packed_fields, with_packed
 from growtrain.recipe import DistributedConfig, RecipeError
 
 
@@ -94,8 +95,6 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
             f"invariance.probe_batch_size {recipe.invariance.probe_batch_size} is smaller than the {W} ranks "
             "(growth on expert shards checks each rank on its share of the probe rows)"
         )
-    if recipe.optimizer.dense_state_bits == 8:
-        problems.append("optimizer.dense_state_bits: 8 is not supported with expert parallelism yet; use 32")
     if recipe.model.block == "residual" and recipe.distributed.layout == "af":
         problems.append(
             "model.block: residual does not run in the AF layout yet (its schedules are built on coupling blocks' reversible "
@@ -499,7 +498,7 @@ class Dist:
             return state
         owned = self.owned(named_params)
         rank, size = (self.rank - self.af.attention, self.af.expert_ranks) if self.af is not None else (self.rank, self.size)
-        cut = (lambda s: s) if experts_sharded else (lambda s: ParamState(**slice_entry(_fields(s), rank, size)))
+        cut = (lambda s: s) if experts_sharded else (lambda s: _entry(slice_entry(_fields(s), rank, size)))
         return {n: cut(s) if is_expert_tensor(n) else s for n, s in state.items() if n in owned}
 
     @torch.no_grad()
@@ -546,7 +545,7 @@ class Dist:
         GPU): only the entries' layouts do; the tensors travel by all_gather / broadcast on the
         group's device, in an order every rank derives from the same layouts."""
         layouts: list = [None] * self.size
-        dist.all_gather_object(layouts, {n: {k: _layout(getattr(s, k)) for k in _STATE_FIELDS} for n, s in state.items()})
+        dist.all_gather_object(layouts, _state_layouts(state))
         merged = {}
         for name in sorted({n for lay in layouts for n in lay}):
             holders = [r for r, lay in enumerate(layouts) if name in lay]
@@ -555,7 +554,9 @@ class Dist:
             if expert and holders != expected:
                 raise ValueError(f"optimizer state of expert tensor {name} is on ranks {holders}, not on ranks {expected}")
             fields = {}
-            for k in _STATE_FIELDS:
+            mine = _fields(state[name]) if name in state else {}
+            # the 8-bit codes travel where every holder has them (all expert slices, or the one dense owner)
+            for k in [k for k in layouts[holders[0]][name] if all(k in layouts[r][name] for r in holders)]:
                 kinds = [layouts[r][name][k] for r in holders]
                 first = kinds[0]
                 if not isinstance(first, _TensorLayout):
@@ -566,15 +567,15 @@ class Dist:
                     if any(v != first for v in kinds):
                         raise ValueError(f"expert shards of {name}.{k} differ in layout: {kinds}")
                     if self.af is not None:  # the expert ranks' slices, one broadcast each
-                        parts = [broadcast_field(getattr(state[name], k) if self.rank == r else None, first, r, self.device) for r in holders]
+                        parts = [broadcast_field(mine[k] if self.rank == r else None, first, r, self.device) for r in holders]
                     else:
                         parts = [torch.empty(first.shape, dtype=first.dtype, device=self.device) for _ in range(self.size)]
-                        dist.all_gather(parts, getattr(state[name], k).contiguous())
+                        dist.all_gather(parts, mine[k].contiguous())
                     fields[k] = torch.cat(parts)
                 else:  # dense (one holder), or a 0-d tensor shared by the expert slices: the first holder's
                     src = holders[0]
-                    fields[k] = broadcast_field(getattr(state[name], k) if self.rank == src else None, first, src, self.device)
-            merged[name] = ParamState(**fields)
+                    fields[k] = broadcast_field(mine[k] if self.rank == src else None, first, src, self.device)
+            merged[name] = _entry(fields)
         return merged
 
     # -- failures ----------------------------------------------------------------------------------
@@ -717,7 +718,18 @@ def _raise_peer_failed(signum, frame):
 
 
 def _fields(s) -> dict:
-    return {k: getattr(s, k) for k in _STATE_FIELDS}
+    """An optimizer entry's tensors and numbers by name: ParamState's fields, and the 8-bit codes and
+    absmax of a state dequantized from 8-bit moments (growtrain/optim8bit.py), which travel with it."""
+    return {k: getattr(s, k) for k in _STATE_FIELDS} | packed_fields(s)
+
+
+def _state_layouts(state: dict) -> dict:
+    return {n: {k: _layout(v) for k, v in _fields(s).items()} for n, s in state.items()}
+
+
+def _entry(fields: dict) -> ParamState:
+    """_fields' inverse."""
+    return with_packed(ParamState(**{k: fields[k] for k in _STATE_FIELDS}), fields)
 
 
 @dataclass(frozen=True)

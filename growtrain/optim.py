@@ -68,7 +68,9 @@ class OptimizerConfig:
         metadata={
             "doc": "Bits per Adam moment of the dense parts: 8 stores them blockwise-quantized as bitsandbytes' 8-bit "
             "optimizers do (blocks of 256, dynamic map; ~2.03 instead of 8 bytes per parameter) for every trainable "
-            "tensor of >= 4096 elements except the experts' LoRA adapters, the routers and the token embeddings."
+            "tensor of >= 4096 elements except the experts' LoRA adapters, the routers and the token embeddings (a stacked "
+            "expert tensor only where each expert fills whole blocks of 256). Every layout: under expert parallelism and in "
+            "the AF layout each ZeRO-1 owner holds the codes of its entries, and growth moves them with the entry."
         },
     )
 

@@ -35,13 +35,13 @@ Legend: N elements of a parameter, B = ceil(N / 256) blocks.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
 
+from growtrain.expert_shards import is_expert_tensor
 from growtrain.kernels.nf4_reference import bitsandbytes_functional
 from growtrain.optim import FUSED_DEVICES, AdamW, ParamState, adamw_step
 
@@ -53,8 +53,13 @@ EXCLUDED_SUFFIXES = ("router.weight", "embed.weight")
 
 
 def uses_8bit_state(name: str, p: torch.Tensor) -> bool:
-    """Dense parts with enough elements; never the experts' adapters, the routers or the embeddings."""
+    """Dense parts with enough elements; never the experts' adapters, the routers or the embeddings.
+    A stacked expert tensor [E, ...] only where each expert fills whole quantization blocks: then
+    its blocks never straddle two experts, and an expert-parallel rank's slice of the experts holds
+    exactly the codes and absmax one process holds for them (the same update, any EP size)."""
     is_adapter = ".ffn.experts." in name and "_lora_" in name
+    if is_expert_tensor(name) and p.ndim and (p.numel() // max(p.shape[0], 1)) % BLOCKSIZE:
+        return False
     return p.numel() >= MIN_8BIT_NUMEL and not is_adapter and not name.endswith(EXCLUDED_SUFFIXES)
 
 
@@ -130,7 +135,6 @@ class AdamW8bit(AdamW):
 
     def __init__(self, named_params: dict[str, nn.Parameter], cfg):
         self._packed: dict[str, ParamState] = {}
-        self._handed_out: dict[int, tuple[weakref.ref, ParamState]] = {}  # id(float32 view) -> (view, packed)
         super().__init__(named_params, cfg)
 
     # -- state as the rest of growtrain sees it (float32) ----------------------------------------
@@ -141,16 +145,15 @@ class AdamW8bit(AdamW):
 
     @state.setter
     def state(self, value) -> None:
-        handed, self._handed_out = self._handed_out, {}
-        packed = {}
+        packed, kept = {}, set()
         for name, s in value.items():
-            kept = handed.get(id(s))
-            packed[name] = kept[1] if kept is not None and kept[0]() is s else self._pack(name, s)
+            s = self._pack(name, s)
+            if isinstance(s.exp_avg, Moment8bit):  # steps update codes in place: no two entries may share them
+                moments = [m if id(m) not in kept else replace(m, codes=m.codes.clone(), absmax_B=m.absmax_B.clone()) for m in (s.exp_avg, s.exp_avg_sq)]
+                kept.update(id(m) for m in moments)
+                s = replace(s, exp_avg=moments[0], exp_avg_sq=moments[1])
+            packed[name] = s
         self._packed = packed
-
-    def to(self, device) -> None:
-        self._handed_out = {}  # views handed out before point at the codes where they were
-        super().to(device)
 
     def _stored(self) -> dict[str, ParamState]:
         # The multipliers are the same objects in the packed states: no dequantization needed.
@@ -163,24 +166,18 @@ class AdamW8bit(AdamW):
     def _pack(self, name: str, s: ParamState) -> ParamState:
         if not self._is_8bit(name) or isinstance(s.exp_avg, Moment8bit):
             return s
-        return replace(s, exp_avg=Moment8bit.quantize(s.exp_avg, True), exp_avg_sq=Moment8bit.quantize(s.exp_avg_sq, False))
+        return replace(s, exp_avg=_requantized(s.exp_avg, True), exp_avg_sq=_requantized(s.exp_avg_sq, False))
 
     def _logical(self, name: str) -> ParamState:
         s = self._packed[name]
         if not isinstance(s.exp_avg, Moment8bit):
             return s
-        out = replace(s, exp_avg=s.exp_avg.dequantize(), exp_avg_sq=s.exp_avg_sq.dequantize())
-        key, handed = id(out), self._handed_out
-        handed[key] = (weakref.ref(out, lambda _: handed.pop(key, None)), s)
-        return out
+        return replace(s, exp_avg=_tagged(s.exp_avg), exp_avg_sq=_tagged(s.exp_avg_sq))
 
     # -- the update ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        # A float32 view handed out before this step no longer matches its packed state (the codes
-        # change in place below): handed back later, it is requantized from what it holds.
-        self._handed_out = {}
         plain, blockwise, unpacked = [], [], []
         for name, p in self.params.items():
             if p.grad is None:
@@ -207,7 +204,7 @@ class AdamW8bit(AdamW):
             if isinstance(s.exp_avg, Moment8bit):
                 for key in ("exp_avg", "exp_avg_sq"):
                     m = entry.pop(key)
-                    entry[f"{key}_codes"], entry[f"{key}_absmax"] = m.codes, m.absmax_B
+                    entry[f"{key}_codes"], entry[f"{key}_absmax"] = m.codes, _absmax_layout(name, m)
             out[name] = entry
         return out
 
@@ -218,7 +215,13 @@ class AdamW8bit(AdamW):
             if "exp_avg_codes" in entry:
                 # Rebuilt from the stored codes: no requantization, so a resume is bit-exact.
                 for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-                    entry[key] = Moment8bit(entry.pop(f"{key}_codes"), entry.pop(f"{key}_absmax"), signed)
+                    codes, absmax = entry.pop(f"{key}_codes"), entry.pop(f"{key}_absmax").reshape(-1)
+                    if absmax.numel() != math.ceil(codes.numel() / BLOCKSIZE):
+                        raise ValueError(
+                            f"8-bit optimizer state of {name}: {absmax.numel()} absmax values for {codes.numel()} codes "
+                            f"(blocks of {BLOCKSIZE}); its blocks straddle experts, so it cannot be cut to another EP size"
+                        )
+                    entry[key] = Moment8bit(codes, absmax, signed)
             states[name] = ParamState(**entry)
         missing = sorted(set(self.params) - set(states))
         stray = sorted(set(states) - set(self.params))
@@ -227,8 +230,62 @@ class AdamW8bit(AdamW):
         for n, p in self.params.items():
             if tuple(states[n].exp_avg.shape) != tuple(p.shape):
                 raise ValueError(f"optimizer state of {n} has shape {tuple(states[n].exp_avg.shape)}, parameter {tuple(p.shape)}")
-        self._handed_out = {}
         self._packed = {n: self._pack(n, s) for n, s in states.items()}
+
+
+# A float32 moment handed out by the optimizer carries the 8-bit moment it was dequantized from
+# (attribute PACKED on the tensor object). Quantization is not idempotent (the signed map's most
+# negative code is -0.993, so a block whose largest magnitude is negative comes back with a smaller
+# absmax): a moment that growth carries unchanged, or moves to another rank (ZeRO-1 owners change,
+# a gather and re-shard), must keep its codes, or the 8-bit state would drift at every growth and
+# differ between layouts. The movers (growtrain/distributed.py, stages/sharding.py) send the codes
+# and absmax along (packed_fields / with_packed); whoever rebinds the optimizer keeps them where
+# they still dequantize to exactly the float32 values handed back.
+PACKED = "_growtrain_8bit"
+PACKED_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
+
+
+def _tagged(m: Moment8bit) -> torch.Tensor:
+    out = m.dequantize()
+    setattr(out, PACKED, m)
+    return out
+
+
+def _requantized(x: torch.Tensor, signed: bool) -> Moment8bit:
+    """x's 8-bit moment: the one it was dequantized from where x still equals that exactly (a view
+    handed out before a step no longer does: the step updates the codes in place), else quantized."""
+    m = getattr(x, PACKED, None)
+    if m is not None and not x.is_meta and m.signed == signed and m.codes.shape == x.shape and m.codes.device == x.device:
+        if torch.equal(m.dequantize(), x):
+            return m
+    return Moment8bit.quantize(x, signed)
+
+
+def packed_fields(s: ParamState) -> dict[str, torch.Tensor]:
+    """The 8-bit codes and absmax a float32 state was dequantized from (PACKED_KEYS), or {}: what a
+    mover sends along with the state's fields."""
+    m, v = getattr(s.exp_avg, PACKED, None), getattr(s.exp_avg_sq, PACKED, None)
+    if m is None or v is None:
+        return {}
+    return {"exp_avg_codes": m.codes, "exp_avg_absmax": m.absmax_B, "exp_avg_sq_codes": v.codes, "exp_avg_sq_absmax": v.absmax_B}
+
+
+def with_packed(s: ParamState, fields: dict[str, torch.Tensor]) -> ParamState:
+    """`s` (a float32 state just received or cut) tagged with the codes and absmax that came with it."""
+    if all(k in fields for k in PACKED_KEYS):
+        setattr(s.exp_avg, PACKED, Moment8bit(fields["exp_avg_codes"], fields["exp_avg_absmax"], True))
+        setattr(s.exp_avg_sq, PACKED, Moment8bit(fields["exp_avg_sq_codes"], fields["exp_avg_sq_absmax"], False))
+    return s
+
+
+def _absmax_layout(name: str, m: Moment8bit) -> torch.Tensor:
+    """A stacked expert tensor's absmax as [E, blocks per expert] in checkpoints: expert-parallel
+    checkpoints cut and join every expert entry along dim 0 (expert_shards.py), the absmax with
+    the codes. Other tensors' absmax stays flat."""
+    E = m.codes.shape[0] if m.codes.ndim else 0
+    if is_expert_tensor(name) and E and m.absmax_B.numel() % E == 0 and (m.codes.numel() // E) % BLOCKSIZE == 0:
+        return m.absmax_B.view(E, -1)
+    return m.absmax_B
 
 
 def _blockwise_update_fits(p: torch.Tensor, s: ParamState) -> bool:

@@ -280,10 +280,10 @@ def dense_holders(state) -> dict[str, tuple[int, dict]] | None:
     None outside expert shards."""
     if not _active():
         return None
-    from growtrain.distributed import _STATE_FIELDS, _layout
+    from growtrain.distributed import _state_layouts
     from growtrain.expert_shards import is_expert_tensor
 
-    mine = {n: {k: _layout(getattr(s, k)) for k in _STATE_FIELDS} for n, s in state.items() if not is_expert_tensor(n)}
+    mine = _state_layouts({n: s for n, s in state.items() if not is_expert_tensor(n)})
     table: dict[str, tuple[int, dict]] = {}
     for rank, held in enumerate(gather_objects(mine)):
         for name, layout in held.items():
@@ -295,20 +295,19 @@ def dense_holders(state) -> dict[str, tuple[int, dict]] | None:
 
 def fetch_state(state, name: str, holders: dict[str, tuple[int, dict]]):
     """Dense entry `name` on every rank, broadcast from the rank that holds it (a collective)."""
-    from growtrain.distributed import _STATE_FIELDS, _TensorLayout, broadcast_field
-    from growtrain.optim import ParamState
+    from growtrain.distributed import _TensorLayout, _entry, _fields, broadcast_field
 
     if name not in holders:
         raise KeyError(f"no rank holds optimizer state for {name}")
     src, layout = holders[name]
+    mine = _fields(state[name]) if current().rank == src else None
     fields = {}
-    for k in _STATE_FIELDS:
-        lay = layout[k]
+    for k, lay in layout.items():  # ParamState's fields, and an 8-bit state's codes and absmax
         if not isinstance(lay, _TensorLayout):
             fields[k] = lay  # a Python number: it came with the layout
             continue
-        fields[k] = broadcast_field(getattr(state[name], k) if current().rank == src else None, lay, src, _device(), _group())
-    return ParamState(**fields)
+        fields[k] = broadcast_field(mine[k] if mine is not None else None, lay, src, _device(), _group())
+    return _entry(fields)
 
 
 def broadcast_(t: torch.Tensor, src: int) -> None:

@@ -415,7 +415,7 @@ def test_a_recipe_that_does_not_divide_over_the_ranks_is_refused(micro_recipe):
     r = growtrain_torchrun(2, "run", recipe, "--out", recipe.parent / "run", "--set", "optimizer.dense_state_bits=8", timeout=120)
     assert r.returncode != 0
     assert "batch_size 3 does not divide over 2 ranks" in r.stderr
-    assert "dense_state_bits: 8 is not supported with expert parallelism" in r.stderr
+    assert "dense_state_bits" not in r.stderr  # 8-bit state runs in every layout (test_optim8bit_layouts.py)
     assert "]: Traceback" not in r.stderr  # torchrun prefixes a worker's traceback with [rankN]
 
 

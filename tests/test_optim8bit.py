@@ -266,3 +266,71 @@ def test_a_zero_moment_stays_zero_in_a_block_with_nonzero_ones():
         plain = bnbf.dequantize_blockwise(codes, absmax=qs.absmax, code=dynamic_map(signed, x.device), blocksize=BLOCKSIZE)
         assert bool((plain[0][x[0] == 0] != 0).any()), "bitsandbytes keeps zeros now: the masking is no longer needed"
         assert torch.equal(back[x != 0], plain[x != 0]), "nonzero moments quantize as bitsandbytes does"
+
+
+def test_a_moved_entry_keeps_its_codes_and_a_bare_float32_copy_is_requantized():
+    """An entry that growth moves to another rank (ZeRO-1 owners change, a gather and re-shard)
+    arrives as new float32 tensors: with its codes and absmax sent along (packed_fields, with_packed)
+    it keeps them; without, it is requantized, which is not the identity (a block whose largest
+    moment is negative comes back with a smaller absmax)."""
+    from growtrain.optim8bit import packed_fields, with_packed
+
+    model = moe_model()
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=8))
+    train(model, opt, 2)
+    name = "lm_head.weight"
+    before = opt._packed[name].exp_avg
+    view = opt.state[name]
+    wire = {k: v.clone() for k, v in packed_fields(view).items()}
+    moved = with_packed(replace(view, exp_avg=view.exp_avg.clone(), exp_avg_sq=view.exp_avg_sq.clone()), wire)
+    bare = replace(view, exp_avg=view.exp_avg.clone(), exp_avg_sq=view.exp_avg_sq.clone())
+    for entry, kept in ((moved, True), (bare, False)):
+        opt.rebind(dict(model.named_parameters()), {**dict(opt.state), name: entry})
+        after = opt._packed[name].exp_avg
+        assert torch.equal(after.dequantize(), before.dequantize()) is kept
+        assert torch.equal(after.absmax_B, before.absmax_B) is kept
+        opt._packed[name] = replace(opt._packed[name], exp_avg=before)
+
+
+def test_a_view_handed_out_before_a_step_is_requantized_from_what_it_holds():
+    model = moe_model()
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=8))
+    train(model, opt, 1)
+    stale = dict(opt.state)  # float32 views of step 1
+    train(model, opt, 1, seed=4)  # the codes change in place
+    opt.rebind(dict(model.named_parameters()), stale)
+    for n, s in stale.items():
+        if isinstance(opt._packed[n].exp_avg, Moment8bit):
+            assert torch.equal(opt._packed[n].exp_avg.dequantize(), Moment8bit.quantize(s.exp_avg, True).dequantize()), n
+
+
+def test_expert_tensors_get_8bit_state_only_where_each_expert_fills_whole_blocks():
+    """Blocks that never straddle two experts: an expert-parallel rank's slice of the experts then
+    holds exactly the codes and absmax one process holds for them; checkpoints keep an expert
+    tensor's absmax as [experts, blocks each], cut along the experts with the codes."""
+    from growtrain.expert_shards import slice_state
+
+    for hidden, eight in ((64, True), (68, False)):  # 32 x 64 = 8 blocks per expert; 32 x 68 = 8.5
+        moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=hidden, router_init_std=0.5)
+        torch.manual_seed(0)
+        model = GrowLM(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, moe=moe, moe_layers=(1,)))
+        opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=8))
+        train(model, opt, 1)
+        entry = opt.state_dict()["blocks.1.g.ffn.experts.w_up"]
+        assert ("exp_avg_codes" in entry) is eight
+    assert entry["exp_avg"].dtype == torch.float32  # the 68-wide experts: 32-bit moments
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=64, router_init_std=0.5)
+    torch.manual_seed(0)
+    model = GrowLM(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, moe=moe, moe_layers=(1,)))
+    opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=8))
+    train(model, opt, 1)
+    whole = opt.state_dict()
+    name = "blocks.1.g.ffn.experts.w_up"
+    assert whole[name]["exp_avg_absmax"].shape == (4, 8)
+    half = slice_state(whole, 1, 2)[name]  # rank 1 of 2: experts 2 and 3
+    codes = Moment8bit(half["exp_avg_codes"], half["exp_avg_absmax"].reshape(-1), True).dequantize()
+    assert torch.equal(codes, opt.state[name].exp_avg[2:])
+    flat = dict(whole)
+    flat[name] = dict(whole[name], exp_avg_absmax=whole[name]["exp_avg_absmax"].reshape(-1)[:5])
+    with pytest.raises(ValueError, match="absmax values for"):
+        build_optimizer(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=8)).load_state_dict(flat)
