@@ -172,15 +172,6 @@ def along_hidden(v_EF: torch.Tensor, hidden_dim: int) -> torch.Tensor:
     return v_EF.unsqueeze(2 if hidden_dim == 1 else 1)
 
 
-def require_full_experts(cfg, op: str, why: str = "") -> None:
-    """Operators that rewrite expert matrices element by element need them in full precision."""
-    from growtrain.stages.registry import GrowthPlanError
-
-    fmt = getattr(cfg.moe, "expert_format", "full") if cfg.moe is not None else "full"
-    if fmt != "full":
-        raise GrowthPlanError(f"{op}: the experts are {fmt}; apply it before quantize_experts{why}")
-
-
 def carry(name: str, w: torch.Tensor, params: set[str], new: dict, provenance: dict) -> None:
     """Keep `name` as it is in the grown model: same tensor, and for a parameter the same optimizer
     state ('carried')."""

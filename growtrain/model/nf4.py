@@ -82,6 +82,8 @@ def quantize_stack(w_ERC: torch.Tensor, double_quant: bool = True) -> NF4Stack:
 def dequantize_stack(stack: NF4Stack, experts: list[int] | None = None) -> torch.Tensor:
     """[len(experts), rows, cols] float32 through bitsandbytes (every expert by default)."""
     experts = list(range(stack.num_experts)) if experts is None else list(experts)
+    if not experts:
+        return torch.empty(0, stack.rows, stack.cols, device=stack.codes_EP.device)
     return dequantize_experts_bitsandbytes(stack, experts)
 
 
@@ -212,6 +214,71 @@ def nf4_renest_rows(stack: NF4Stack, start: int, stop: int) -> NF4Stack:
         offset_E=torch.stack(offsets),
         nested_quant_map=stack.nested_quant_map,
     )
+
+
+def nf4_append_rows(stack: NF4Stack, rows_ERC: torch.Tensor) -> NF4Stack | None:
+    """`stack` with rows appended to every expert's matrix (`rows_ERC`: [E, n, cols] values),
+    quantized on blocks of their own: the old codes, absmax, nested absmax and offset stay as they
+    are, so the old rows dequantize exactly as before (widen_ffn's new neurons). With double
+    quantization the new absmax values are quantized into new nested blocks around the expert's
+    existing offset. None where the layout does not allow it: the old rows end inside a
+    quantization block, or (double quantization) inside a nested absmax block; see
+    `append_rows_problem`."""
+    E, n, cols = rows_ERC.shape
+    if append_rows_problem(stack.rows, cols, stack.double_quant, stack.blocksize, stack.nested_blocksize) or (n * cols) % 2:
+        return None
+    if not E:  # no expert here (an AF attention rank): the shapes alone
+        return nf4_take_experts(quantize_stack(rows_ERC.new_zeros((1, stack.rows + n, cols)), stack.double_quant), [])
+    bnbf = bitsandbytes_functional()
+    codes, absmax = [], []
+    for e in range(E):
+        q, st = bnbf.quantize_4bit(
+            rows_ERC[e].detach().float().reshape(-1).contiguous(), blocksize=stack.blocksize, quant_type="nf4", compress_statistics=False
+        )
+        codes.append(q.reshape(-1))
+        absmax.append(st.absmax.float())
+    out = {"codes_EP": torch.cat([stack.codes_EP, torch.stack(codes).to(stack.codes_EP.device)], 1)}
+    if not stack.double_quant:
+        out["absmax_EA"] = torch.cat([stack.absmax_EA, torch.stack(absmax).to(stack.absmax_EA.device)], 1)
+        return replace(stack, rows=stack.rows + n, **out)
+    q8, nested = [], []
+    for e in range(E):
+        q, st2 = bnbf.quantize_blockwise(absmax[e] - stack.offset_E[e].to(absmax[e].device), code=stack.nested_quant_map.to(absmax[e].device), blocksize=stack.nested_blocksize)
+        q8.append(q)
+        nested.append(st2.absmax.float())
+    out["absmax_EA"] = torch.cat([stack.absmax_EA, torch.stack(q8).to(stack.absmax_EA.device)], 1)
+    out["nested_absmax_EM"] = torch.cat([stack.nested_absmax_EM, torch.stack(nested).to(stack.nested_absmax_EM.device)], 1)
+    return replace(stack, rows=stack.rows + n, **out)
+
+
+def append_rows_problem(rows: int, cols: int, double_quant: bool, blocksize: int = NF4_BLOCKSIZE, nested_blocksize: int = NESTED_BLOCKSIZE) -> str | None:
+    """Why rows cannot be appended to [rows, cols] NF4 matrices on blocks of their own (None: they can)."""
+    elements = rows * cols
+    if elements % blocksize:
+        return f"the {rows} x {cols} matrices end inside a {blocksize}-element quantization block"
+    if double_quant and (elements // blocksize) % nested_blocksize:
+        return (
+            f"with double quantization they end inside a nested absmax block ({rows} x {cols} = {elements} elements, "
+            f"not a multiple of {blocksize} x {nested_blocksize} = {blocksize * nested_blocksize})"
+        )
+    return None
+
+
+def nf4_requantized(stack: NF4Stack, w_ERC: torch.Tensor, kept_R: torch.Tensor | None = None) -> tuple[NF4Stack, float]:
+    """`w_ERC` quantized in `stack`'s format (each expert on its own), and how far the result moves
+    the values it should keep: the largest |dequantized - w| over the rows `kept_R` marks (all by
+    default), relative to the largest |w| there. 0.0 where requantizing gives them back exactly (NF4
+    without double quantization is idempotent on blocks that keep their elements: its code book
+    holds -1 and 1, so a block's absmax comes back bit for bit)."""
+    grown = quantize_stack(w_ERC, stack.double_quant)
+    if not w_ERC.shape[0]:
+        return grown, 0.0
+    got = dequantize_stack(grown).to(w_ERC.device)
+    if kept_R is not None:
+        got, w_ERC = got[:, kept_R.to(got.device)], w_ERC[:, kept_R.to(w_ERC.device)]
+    scale = float(w_ERC.abs().max()) if w_ERC.numel() else 0.0
+    moved = float((got - w_ERC).abs().max()) if w_ERC.numel() else 0.0
+    return grown, (moved / scale if scale else moved)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from growtrain.expert_shards import is_expert_tensor
 from growtrain.model.config import ModelConfig
 from growtrain.model.expert_parallel import shard_experts
 from growtrain.stages import sharding
-from growtrain.stages.common import materialize, require_full_experts
+from growtrain.model.nf4 import MATRICES, dequantize_stack, nf4_requantized, stack_state, state_stack
+from growtrain.stages.common import materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 _LOOKUPS = ("embed.weight",)  # last dim is d_model, but rows are looked up, not read from the stream
@@ -49,7 +50,6 @@ class WidenHiddenArgs:
 
 def plan(cfg: ModelConfig, args: WidenHiddenArgs) -> ModelConfig:
     k = args.factor
-    require_full_experts(cfg, "widen_hidden")
     return cfg.with_changes(
         d_model=cfg.d_model * k,
         n_heads=cfg.n_heads * k,
@@ -69,7 +69,13 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
     if ep is not None:  # on expert shards: this rank's experts of every expert tensor
         shard_experts(grown_model, ep)
     shapes = {n: t.shape for n, t in grown_model.state_dict().items()}
-    for name, w in model.state_dict().items():
+    old_state = model.state_dict()
+    nf4 = old_cfg.moe is not None and old_cfg.moe.expert_format == "nf4"
+    nf4_prefixes = tuple(f"blocks.{i}.g.ffn.experts." for i in old_cfg.moe_layers) if nf4 else ()
+    notes = [note for prefix in nf4_prefixes for note in _widen_nf4_bases(old_state, prefix, old_cfg, k, new)]
+    for name, w in old_state.items():
+        if name.startswith(nf4_prefixes) and not name.endswith(("_lora_A", "_lora_B")):
+            continue  # an NF4 base: above. Its adapters are tiled below like any weight (gate/up A reads the stream).
         reps = [n // o if o else 1 for n, o in zip(shapes[name], w.shape)]  # o = 0: no expert here (an AF attention rank)
         if [o * r for o, r in zip(w.shape, reps)] != list(shapes[name]):
             raise GrowthPlanError(f"widen_hidden: cannot tile {name} {tuple(w.shape)} into {tuple(shapes[name])}")
@@ -94,7 +100,38 @@ def apply(model, args: WidenHiddenArgs) -> Growth:
         if name in params:
             copies = math.prod(reps)
             provenance[name] = Provenance("copy", name, tile, copies=copies * beta, beta=beta, perturbed=noisy, perturb_bound=bound)
-    return Growth(materialize(new_cfg, new), provenance, stream_view=lambda x, k=k: x.unflatten(-1, (k, -1)).mean(-2))
+    return Growth(materialize(new_cfg, new), provenance, stream_view=lambda x, k=k: x.unflatten(-1, (k, -1)).mean(-2), notes=notes)
+
+
+def _widen_nf4_bases(old: dict, prefix: str, cfg: ModelConfig, k: int, new: dict) -> list[str]:
+    """One MoE layer's NF4 bases at k·d_model (this rank's experts): each matrix, stored [F, D] per
+    expert, dequantized, tiled along D (gate/up read the stream: also divided by k; down writes
+    it) and requantized. Without double quantization, with d_model a multiple of 64 and k a power
+    of two, each new block holds the elements of one old block (halved for gate/up: the absmax
+    halves exactly, NF4's code book holding ±1), so the codes come back as they were: exact,
+    measured. Otherwise what the requantization moved is measured and returned as a note (the
+    transition judges the operator as approximate). The null-space noise goes into the adapters
+    (gate/up A, tiled with the stream), never into the frozen bases."""
+    local = {n[len(prefix) :]: v for n, v in old.items() if n.startswith(prefix)}
+    notes = []
+    for name in ("quant_map", "nested_quant_map"):
+        if name in local:
+            new[prefix + name] = local[name]
+    for m in MATRICES:
+        stack = state_stack(m, local, cfg.moe.expert_hidden, cfg.d_model)
+        like = local[f"{m}_lora_A"]
+        target = dequantize_stack(stack).to(like.device).repeat(1, 1, k)
+        if m != "w_down":
+            target = target / k
+        grown, moved = nf4_requantized(stack, target)
+        moved = sharding.max_ranks(moved)[0]  # over every rank's experts: the same verdict everywhere
+        if moved:
+            notes.append(
+                f"widen_hidden: {prefix}{m}: the NF4 base was requantized at d_model {k * cfg.d_model}, moving its weights by up "
+                f"to {moved:.1e} of their largest (exact without double quantization, d_model a multiple of 64 and factor a power of two)"
+            )
+        new.update({prefix + n: v for n, v in stack_state(m, grown).items() if n not in ("quant_map", "nested_quant_map")})
+    return notes
 
 
 def _null_space_noise(w: torch.Tensor, k: int, std: float, experts_E: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,8 @@ import torch
 
 from growtrain.model.config import ModelConfig
 from growtrain.stages import sharding
-from growtrain.stages.common import carry, fresh_tensors, materialize, new_elements, require_full_experts, take
+from growtrain.model.nf4 import MATRICES, dequantize_stack, nf4_append_rows, nf4_requantized, stack_state, state_stack
+from growtrain.stages.common import carry, fresh_tensors, materialize, new_elements, take
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -54,7 +55,6 @@ def plan(cfg: ModelConfig, args: WidenFFNArgs) -> ModelConfig:
     if args.expert_hidden:
         if cfg.moe is None:
             raise GrowthPlanError("widen_ffn: expert_hidden is set but the model has no MoE layers yet")
-        require_full_experts(cfg, "widen_ffn")
         if args.expert_hidden < cfg.moe.expert_hidden:
             raise GrowthPlanError(
                 f"widen_ffn: expert_hidden {args.expert_hidden} is below the current {cfg.moe.expert_hidden}; this operator only widens"
@@ -77,18 +77,26 @@ def apply(model, args: WidenFFNArgs) -> Growth:
     widths = {False: (old_cfg.ffn_hidden, new_cfg.ffn_hidden)}
     if old_cfg.moe is not None:
         widths[True] = (old_cfg.moe.expert_hidden, new_cfg.moe.expert_hidden)
+    nf4 = old_cfg.moe is not None and old_cfg.moe.expert_format == "nf4" and widths[True][0] != widths[True][1]
+    nf4_prefixes = tuple(f"blocks.{i}.g.ffn.experts." for i in old_cfg.moe_layers) if nf4 else ()
     widened = {}  # name -> (matrix, is_expert) of every FFN weight that grows
     for name in old:
         matrix = _ffn_matrix(name.split("."), old_cfg)
-        if matrix is not None and widths[matrix[1]][0] != widths[matrix[1]][1]:
+        if matrix is not None and widths[matrix[1]][0] != widths[matrix[1]][1] and not name.startswith(nf4_prefixes):
             widened[name] = matrix
-    # New gate/up rows drawn fresh (init zero); their down columns stay zero.
-    fresh = fresh_tensors(new_cfg, [n for n, (kind, _) in widened.items() if kind != "w_down"], model) if args.init == "zero" else {}
+    # New gate/up rows drawn fresh (init zero); their down columns stay zero. NF4 experts' new base
+    # rows are drawn as full-precision experts' would be, then quantized.
+    drawn = [n for n, (kind, _) in widened.items() if kind != "w_down"] + [p + m for p in nf4_prefixes for m in ("w_gate", "w_up")]
+    full_cfg = replace(new_cfg, moe=replace(new_cfg.moe, expert_format="full")) if nf4 else new_cfg
+    fresh = fresh_tensors(full_cfg, drawn, model) if args.init == "zero" else {}
     new, provenance = {}, {}
+    notes = [note for prefix in nf4_prefixes for note in _widen_nf4_experts(old, prefix, old_cfg, new_cfg, args, fresh, new, provenance)]
     # One ε per (expert, new neuron), shared by the neuron's down column: drawn up front, in a fixed order.
     eps = {}
     for name, w in old.items():
         parts = name.split(".")
+        if name.startswith(nf4_prefixes):
+            continue
         if name not in widened:
             carry(name, w, params, new, provenance)
             continue
@@ -118,7 +126,77 @@ def apply(model, args: WidenFFNArgs) -> Growth:
         else:
             new[name] = grown
             provenance[name] = Provenance("copy", name, transform, copies=_broadcast(counts, grown.shape, dim).float(), beta=1.0)
-    return Growth(materialize(new_cfg, new), provenance)
+    return Growth(materialize(new_cfg, new), provenance, notes=notes)
+
+
+def _widen_nf4_experts(old: dict, prefix: str, old_cfg: ModelConfig, new_cfg: ModelConfig, args: WidenFFNArgs, fresh: dict, new: dict, provenance: dict) -> list[str]:
+    """One MoE layer's NF4 + LoRA experts widened F -> F' (this rank's experts). The bases are
+    stored [F, D] per expert for every matrix (w_down transposed), so new neurons are new rows.
+
+    init zero: new gate/up rows drawn as full-precision experts' would be, new down rows exactly 0
+    (the NF4 code of 0.0), appended on quantization blocks of their own where the old rows end on
+    one (and, with double quantization, on a nested absmax block): old codes untouched, exact.
+    Elsewhere the matrix is requantized, and how far that moves the old rows is measured and
+    returned as a note (the transition then judges the operator as approximate). The adapters:
+    gate/up B [E, F, r] gain zero rows, down A [E, r, F] zero columns (so B·A adds nothing through
+    a new neuron), both with fresh state; gate/up A and down B are carried.
+
+    init split: neuron j copies neuron index[j]; the bases are dequantized, their rows taken (down's
+    scaled by its share (1 + ε)/c) and requantized, measured as above; gate/up B rows copied (S = c),
+    down A columns copied and scaled by the share (β = share, S = 1). Returns the notes."""
+    D, (f_old, f_new) = old_cfg.d_model, (old_cfg.moe.expert_hidden, new_cfg.moe.expert_hidden)
+    index = _index(f_old, f_new, args.init)
+    local = {k[len(prefix) :]: v for k, v in old.items() if k.startswith(prefix)}
+    E = local["w_gate_lora_A"].shape[0]
+    counts = torch.bincount(index.clamp_min(0), minlength=f_old)[index.clamp_min(0)].to(torch.float64)
+    share = ((1 + _zero_sum_noise(_noise((E,), f_new, old_cfg, True, args.noise), index, f_old)) / counts) if args.init == "split" else None
+    notes = []
+    for name in ("quant_map", "nested_quant_map"):
+        if name in local:
+            new[prefix + name] = local[name]
+    for m in MATRICES:
+        stack = state_stack(m, local, f_old, D)
+        like = local[f"{m}_lora_A"]
+        if args.init == "zero":
+            rows = fresh[prefix + m][:, f_old:, :] if m != "w_down" else torch.zeros(E, f_new - f_old, D)
+            rows = rows.to(device=like.device, dtype=torch.float32)
+            grown = nf4_append_rows(stack, rows)
+            moved = 0.0
+            if grown is None:
+                target = torch.cat([dequantize_stack(stack).to(rows.device), rows], 1)
+                grown, moved = nf4_requantized(stack, target, torch.arange(f_new) < f_old)
+        else:
+            target = dequantize_stack(stack).to(like.device).index_select(1, index.to(like.device))
+            if m == "w_down":
+                target = target * share.to(device=like.device, dtype=torch.float32).unsqueeze(-1)
+            grown, moved = nf4_requantized(stack, target)
+        moved = sharding.max_ranks(moved)[0]  # over every rank's experts: the same verdict everywhere
+        if moved:
+            notes.append(
+                f"widen_ffn: {prefix}{m}: the NF4 base was requantized at width {f_new}, moving the kept weights by up to "
+                f"{moved:.1e} of their largest (exact only for init: zero where the old rows end on a quantization block, and "
+                "with double quantization on a nested block of 16384 elements)"
+            )
+        new.update({prefix + k: v for k, v in stack_state(m, grown).items() if k not in ("quant_map", "nested_quant_map")})
+        A, B = prefix + f"{m}_lora_A", prefix + f"{m}_lora_B"
+        if m == "w_down":  # A [E, r, F]: a column per neuron; B carried
+            new[B], provenance[B] = local[f"{m}_lora_B"], Provenance("carried", B)
+            transform = lambda t, index=index: take(t, 2, index)  # noqa: E731
+            grown_A = transform(local[f"{m}_lora_A"])
+            if args.init == "zero":
+                new[A], provenance[A] = grown_A, Provenance("copy", A, transform, fresh=new_elements(grown_A.shape, 2, index).to(grown_A.device))
+            else:
+                beta = _broadcast(share, grown_A.shape, 2).to(device=grown_A.device, dtype=grown_A.dtype)
+                new[A], provenance[A] = grown_A * beta, Provenance("copy", A, transform, copies=1.0, beta=beta.float())
+        else:  # B [E, F, r]: a row per neuron; A carried
+            new[A], provenance[A] = local[f"{m}_lora_A"], Provenance("carried", A)
+            transform = lambda t, index=index: take(t, 1, index)  # noqa: E731
+            grown_B = transform(local[f"{m}_lora_B"])
+            if args.init == "zero":
+                new[B], provenance[B] = grown_B, Provenance("copy", B, transform, fresh=new_elements(grown_B.shape, 1, index).to(grown_B.device))
+            else:
+                new[B], provenance[B] = grown_B, Provenance("copy", B, transform, copies=_broadcast(counts, grown_B.shape, 1).float(), beta=1.0)
+    return notes
 
 
 def _ffn_matrix(parts: list[str], cfg: ModelConfig) -> tuple[str, bool] | None:
