@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export HF_DATASETS_OFFLINE = 1
 export HF_HUB_OFFLINE = 1
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast explore clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest $(XDIST) -m "not slow"
+
+# The property tests with fresh examples (CI draws the same ones every run), five times as many.
+explore: setup
+	HYPOTHESIS_PROFILE=explore $(PY) -m pytest $(XDIST) tests/test_data.py tests/test_growth.py tests/test_growth_operators.py tests/test_kernels_combine.py -k "random_chains or random_operator_chains or resumed_stream_reproduces or plan_gives_every_tile"
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

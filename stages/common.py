@@ -172,6 +172,18 @@ def along_hidden(v_EF: torch.Tensor, hidden_dim: int) -> torch.Tensor:
     return v_EF.unsqueeze(2 if hidden_dim == 1 else 1)
 
 
+def requantized_note(op: str, where: str, moved: float, how: str, exact_when: str) -> list[str]:
+    """The note (Growth.notes: judged as approximate) for an NF4 base requantized by an exact
+    operator, if that moved a weight it keeps: `moved` relative to the largest, taken over every
+    rank's experts so that every rank reaches the same verdict (a collective on expert shards)."""
+    from growtrain.stages import sharding
+
+    moved = sharding.max_ranks(moved)[0]
+    if not moved:
+        return []
+    return [f"{op}: {where}: the NF4 base was requantized {how}, moving its kept weights by up to {moved:.1e} of their largest (exact {exact_when})"]
+
+
 def carry(name: str, w: torch.Tensor, params: set[str], new: dict, provenance: dict) -> None:
     """Keep `name` as it is in the grown model: same tensor, and for a parameter the same optimizer
     state ('carried')."""

@@ -11,6 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import EXPLORE_FACTOR
+
 from growtrain.data import DataConfig, DataError, TokenArray, TokenStream, eval_batches, load_corpus
 from growtrain.tokenizer import ByteTokenizer, HFTokenizerFile, build_tokenizer
 
@@ -204,7 +206,7 @@ def test_stream_batches_are_contiguous_shifted_windows():
     assert inputs_BT[0, 0] == 12 and stream.state_dict()["cursor"] == 22 and stream.state_dict()["epoch"] == 0
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30 * EXPLORE_FACTOR, deadline=None)
 @given(
     shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 9)), min_size=1, max_size=12),
     resume_at=st.integers(0, 12),

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import default_dtype
+from conftest import EXPLORE_FACTOR, default_dtype
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -286,7 +286,7 @@ def seed_shapes(draw) -> ModelConfig:
     return cfg
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=30 * EXPLORE_FACTOR, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(cfg=seed_shapes(), data=st.data())
 def test_random_chains_of_upcycle_and_deepen_keep_logits_and_structure(cfg, data):
     with default_dtype(torch.float64):

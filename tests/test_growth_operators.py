@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import default_dtype
+from conftest import EXPLORE_FACTOR, default_dtype
 from growtrain.model import GrowLM, ModelConfig
 from growtrain.optim import AdamW, ParamState, clip_grad_norm
 from growtrain.optim_registry import build_optimizer
@@ -356,7 +356,7 @@ def draw_step(data, cfg: ModelConfig) -> tuple[str, object]:
     return name, CloneExpertsArgs(factor=2, reinit_fraction=data.draw(st.sampled_from([0.0, 0.5])), router_noise=0.05)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=50 * EXPLORE_FACTOR, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(cfg=seed_shapes(), data=st.data())
 def test_random_operator_chains_keep_exact_logits_and_account_for_every_parameter(cfg, data):
     with default_dtype(torch.float64):

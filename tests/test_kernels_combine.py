@@ -12,6 +12,8 @@ import torch
 try:  # the GPU image may lack hypothesis; only the property test needs it
     from hypothesis import given, settings
     from hypothesis import strategies as st
+
+    from conftest import EXPLORE_FACTOR
 except ImportError:
     st = None
 
@@ -70,7 +72,7 @@ if st is not None:
         base = draw(st.lists(st.integers(0, 7), min_size=R, max_size=R))
         return E, R, rank, bm, torch.tensor(expert, dtype=torch.int64), torch.tensor(dest, dtype=torch.int64), torch.tensor(base)
 
-    @settings(max_examples=80, deadline=None)
+    @settings(max_examples=80 * EXPLORE_FACTOR, deadline=None)
     @given(plan_inputs())
     def test_plan_gives_every_tile_one_destination_and_lands_rows_contiguously(inputs):
         E, R, rank, bm, expert_S, dest_S, base_R = inputs

@@ -29,7 +29,7 @@ from growtrain.model.config import ModelConfig
 from growtrain.model.expert_parallel import shard_experts
 from growtrain.stages import sharding
 from growtrain.model.nf4 import MATRICES, dequantize_stack, nf4_requantized, stack_state, state_stack
-from growtrain.stages.common import materialize
+from growtrain.stages.common import materialize, requantized_note
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 _LOOKUPS = ("embed.weight",)  # last dim is d_model, but rows are looked up, not read from the stream
@@ -124,12 +124,8 @@ def _widen_nf4_bases(old: dict, prefix: str, cfg: ModelConfig, k: int, new: dict
         if m != "w_down":
             target = target / k
         grown, moved = nf4_requantized(stack, target)
-        moved = sharding.max_ranks(moved)[0]  # over every rank's experts: the same verdict everywhere
-        if moved:
-            notes.append(
-                f"widen_hidden: {prefix}{m}: the NF4 base was requantized at d_model {k * cfg.d_model}, moving its weights by up "
-                f"to {moved:.1e} of their largest (exact without double quantization, d_model a multiple of 64 and factor a power of two)"
-            )
+        notes += requantized_note("widen_hidden", prefix + m, moved, f"at d_model {k * cfg.d_model}",
+                                  "without double quantization, d_model a multiple of 64 and factor a power of two")
         new.update({prefix + n: v for n, v in stack_state(m, grown).items() if n not in ("quant_map", "nested_quant_map")})
     return notes
 
@@ -152,7 +148,8 @@ register(
         "widen_hidden",
         True,
         "d_model → k·d_model: stream coordinates duplicated, input-side weights [W/k, …] (± null-space noise), heads "
-        "duplicated with head_dim fixed; optimizer moments m/S, v/S², LR ×β.",
+        "duplicated with head_dim fixed; optimizer moments m/S, v/S², LR ×β. NF4 experts: bases tiled and requantized "
+        "(the same codes without double quantization at d_model a multiple of 64; else measured and judged as approximate).",
         WidenHiddenArgs,
         plan,
         apply,

@@ -25,7 +25,7 @@ import torch
 from growtrain.model.config import ModelConfig
 from growtrain.stages import sharding
 from growtrain.model.nf4 import MATRICES, dequantize_stack, nf4_append_rows, nf4_requantized, stack_state, state_stack
-from growtrain.stages.common import carry, fresh_tensors, materialize, new_elements, take
+from growtrain.stages.common import carry, fresh_tensors, materialize, new_elements, requantized_note, take
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
 
@@ -170,32 +170,23 @@ def _widen_nf4_experts(old: dict, prefix: str, old_cfg: ModelConfig, new_cfg: Mo
             if m == "w_down":
                 target = target * share.to(device=like.device, dtype=torch.float32).unsqueeze(-1)
             grown, moved = nf4_requantized(stack, target)
-        moved = sharding.max_ranks(moved)[0]  # over every rank's experts: the same verdict everywhere
-        if moved:
-            notes.append(
-                f"widen_ffn: {prefix}{m}: the NF4 base was requantized at width {f_new}, moving the kept weights by up to "
-                f"{moved:.1e} of their largest (exact only for init: zero where the old rows end on a quantization block, and "
-                "with double quantization on a nested block of 16384 elements)"
-            )
+        notes += requantized_note("widen_ffn", prefix + m, moved, f"at width {f_new}", "init: zero where the old rows end on a quantization block "
+                                  "(with double quantization on a nested block of 16384 elements), or init: split without noise or double quantization")
         new.update({prefix + k: v for k, v in stack_state(m, grown).items() if k not in ("quant_map", "nested_quant_map")})
-        A, B = prefix + f"{m}_lora_A", prefix + f"{m}_lora_B"
-        if m == "w_down":  # A [E, r, F]: a column per neuron; B carried
-            new[B], provenance[B] = local[f"{m}_lora_B"], Provenance("carried", B)
-            transform = lambda t, index=index: take(t, 2, index)  # noqa: E731
-            grown_A = transform(local[f"{m}_lora_A"])
-            if args.init == "zero":
-                new[A], provenance[A] = grown_A, Provenance("copy", A, transform, fresh=new_elements(grown_A.shape, 2, index).to(grown_A.device))
-            else:
-                beta = _broadcast(share, grown_A.shape, 2).to(device=grown_A.device, dtype=grown_A.dtype)
-                new[A], provenance[A] = grown_A * beta, Provenance("copy", A, transform, copies=1.0, beta=beta.float())
-        else:  # B [E, F, r]: a row per neuron; A carried
-            new[A], provenance[A] = local[f"{m}_lora_A"], Provenance("carried", A)
-            transform = lambda t, index=index: take(t, 1, index)  # noqa: E731
-            grown_B = transform(local[f"{m}_lora_B"])
-            if args.init == "zero":
-                new[B], provenance[B] = grown_B, Provenance("copy", B, transform, fresh=new_elements(grown_B.shape, 1, index).to(grown_B.device))
-            else:
-                new[B], provenance[B] = grown_B, Provenance("copy", B, transform, copies=_broadcast(counts, grown_B.shape, 1).float(), beta=1.0)
+        # The factor with a slot per neuron grows (down: A [E, r, F] columns; gate/up: B [E, F, r]
+        # rows), the other is carried.
+        grows, keeps, dim = ("A", "B", 2) if m == "w_down" else ("B", "A", 1)
+        kept, name = prefix + f"{m}_lora_{keeps}", prefix + f"{m}_lora_{grows}"
+        new[kept], provenance[kept] = local[f"{m}_lora_{keeps}"], Provenance("carried", kept)
+        transform = lambda t, index=index, dim=dim: take(t, dim, index)  # noqa: E731
+        grown_t = transform(local[f"{m}_lora_{grows}"])
+        if args.init == "zero":
+            new[name], provenance[name] = grown_t, Provenance("copy", name, transform, fresh=new_elements(grown_t.shape, dim, index).to(grown_t.device))
+        elif m == "w_down":  # the neuron's share of the down projection: β = (1 + ε)/c, S = 1
+            beta = _broadcast(share, grown_t.shape, dim).to(device=grown_t.device, dtype=grown_t.dtype)
+            new[name], provenance[name] = grown_t * beta, Provenance("copy", name, transform, copies=1.0, beta=beta.float())
+        else:  # gate/up rows copied c times: S = c
+            new[name], provenance[name] = grown_t, Provenance("copy", name, transform, copies=_broadcast(counts, grown_t.shape, dim).float(), beta=1.0)
     return notes
 
 
@@ -244,7 +235,9 @@ register(
         "widen_ffn",
         True,
         "More hidden neurons in dense FFNs and/or experts: new neurons with zero down-projection columns (fresh state, own "
-        "step count), or Net2Wider duplicates sharing the down column (moments m/S, v/S²).",
+        "step count), or Net2Wider duplicates sharing the down column (moments m/S, v/S²). NF4 experts: new neurons on "
+        "quantization blocks of their own, old codes untouched, where F·D ends on a block (with double quantization on a "
+        "nested block of 16384 elements); else the base is requantized, its move measured and judged as approximate.",
         WidenFFNArgs,
         plan,
         apply,
