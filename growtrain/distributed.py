@@ -95,10 +95,12 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
             f"invariance.probe_batch_size {recipe.invariance.probe_batch_size} is smaller than the {W} ranks "
             "(growth on expert shards checks each rank on its share of the probe rows)"
         )
-    if recipe.model.block == "residual" and recipe.distributed.layout == "af":
+    if recipe.model.block == "residual" and recipe.distributed.layout == "af" and recipe.model.reversible:
         problems.append(
-            "model.block: residual does not run in the AF layout yet (its schedules are built on coupling blocks' reversible "
-            "recompute); use distributed.layout: colocated (expert parallelism), or block: coupling"
+            "model.block: residual does not run in the AF layout yet with model.reversible: true (checkpointed residual blocks "
+            "keep the forward's graph, which the expert ranks' call protocol, built on coupling blocks' no-grad forward and "
+            "recompute, does not serve); set model.reversible: false (plain autograd: the same losses as one process), use "
+            "distributed.layout: colocated (expert parallelism), or block: coupling"
         )
     return problems
 
