@@ -28,7 +28,7 @@ demo: setup
 XDIST := -n 2 --dist loadfile
 
 test: setup
-	$(PY) -m pytest $(XDIST)
+	$(PY) -m pytest $(XDIST) --durations=20
 
 test-fast: setup
 	$(PY) -m pytest $(XDIST) -m "not slow"

@@ -383,9 +383,15 @@ def growth_peak_bytes(cfg_before, steps, optimizer_cfg, counts: dict) -> int:
     for step in steps:
         new_cfg = get_operator(step.op).plan(cfg, step.args)
         old, new = (counts.get(c) or counts.setdefault(c, count_model(c, optimizer_cfg)) for c in (cfg, new_cfg))
-        peak = max(peak, _held_bytes(old) + _held_bytes(new))
+        peak = max(peak, _held_bytes(new) + (0 if _carries_whole([step]) else _held_bytes(old)))
         cfg = new_cfg
     return peak
+
+
+def _carries_whole(unit) -> bool:
+    """An operator step whose grown model holds every old tensor as the same storage (deepen:
+    the old blocks carried, under their new indices, with their optimizer state objects)."""
+    return len(unit) == 1 and unit[0].op == "deepen"
 
 
 # Per-neuron bookkeeping of an operator that marks fresh neurons inside copied expert tensors
@@ -504,7 +510,10 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
             final_layer = sum(t.bytes * share(t) for t in new.tensors if t.expert_sharded) / moe_layers
             layer = sum(chain) + max(chain) + final_layer
             probes += 4 * probe[0] * probe[1] * cfg.d_model * moe_layers
-        alive = (start if j else 0.0) + held(cfg) - freed + carried + held(new_cfg) + book + work + probes + layer
+        # deepen carries every old tensor into the new model as the same storage (and its optimizer
+        # state as the same objects): only the inserted blocks are new memory.
+        shared = held(cfg) if _carries_whole(unit) else 0.0
+        alive = (start if j else 0.0) + held(cfg) - freed + carried + held(new_cfg) - shared + book + work + probes + layer
         peak = max(peak, alive)
         cfg, carried = new_cfg, new_carried
         j += len(unit)
