@@ -51,7 +51,7 @@ OPERATORS = {
     "add_heads": {"add": 2},
     "upcycle_moe": {"num_experts": 4, "top_k": 2, "layers": [0]},
     "split_experts": {},
-    "clone_experts": {"factor": 2},
+    "clone_experts": {"factor": 2},  # NF4 cells: reinit_fraction 0 (redrawing frozen NF4 neurons means nothing)
     "quantize_experts": {"r": 4, "lora_alpha": 8.0},
     "merge_adapters": {},
     "add_dense_lora": {"r": 4, "lora_alpha": 8.0},
@@ -72,7 +72,16 @@ MEANINGLESS = {
 }
 GAPS = {
     "residual does not run in the AF layout yet": "checkpointed residual blocks in the AF layout (plain autograd runs there)",
+    "cannot be cut into": "split_experts on NF4 experts whose children would not start on a (nested) quantization block",
+    "already has MoE layers with other settings": "upcycle_moe into a model whose MoE layers are NF4 already",
 }
+
+
+def classify(reason: str) -> str:
+    """meaningless, gap or unexpected: what a refusal at validate counts as."""
+    if any(k in reason for k in MEANINGLESS):
+        return "meaningless"
+    return "gap" if any(k in reason for k in GAPS) else "unexpected"
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ def recipe(cell: Cell) -> dict:
         "stages": [
             {"name": "dense", "steps": STEPS[0], **stage},
             {"name": "moe", "steps": STEPS[1], "grow": moe_grow, **stage},
-            {"name": "op", "steps": STEPS[2], "grow": [{"op": cell.op, **OPERATORS[cell.op]}], **stage},
+            {"name": "op", "steps": STEPS[2], "grow": [{"op": cell.op, **OPERATORS[cell.op], **_format_args(cell)}], **stage},
         ],
         "checkpoint": {"every_steps": 2, "keep_last": 3},
         "invariance": {"probe_batch_size": 4, "probe_seq_len": 32},
@@ -122,6 +131,10 @@ def recipe(cell: Cell) -> dict:
         if cell.block == "residual":  # residual blocks run there with plain autograd (checkpointed ones: GAPS)
             raw["model"]["reversible"] = False
     return raw
+
+
+def _format_args(cell: Cell) -> dict:
+    return {"reinit_fraction": 0.0} if cell.op == "clone_experts" and cell.fmt == "nf4" else {}
 
 
 def _env(extra: dict | None = None) -> dict:
@@ -166,9 +179,8 @@ def run_cell(cell: Cell, root: Path) -> dict:
     )
     if v.returncode != 0:
         reason = _reason(v.stdout + v.stderr)
-        kind = next(("meaningless" for k in MEANINGLESS if k in reason), None) or next(("gap" for k in GAPS if k in reason), None)
-        status = "refused" if kind else "fails"
-        return out | {"status": status, "refusal": kind or "unexpected", "reason": reason, "seconds": round(time.monotonic() - start, 1)}
+        kind = classify(reason)
+        return out | {"status": "fails" if kind == "unexpected" else "refused", "refusal": kind, "reason": reason, "seconds": round(time.monotonic() - start, 1)}
     run = where / "run"
     killed = _launch(cell, "run", path, "--out", run, env={"GROWTRAIN_FAULT": f"step_mid:{cell.kill_step}", "GROWTRAIN_FAULT_RANK": "0"})
     before = _losses(run)
@@ -241,13 +253,51 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(results: list[dict]) -> str:
+    """Per operator and layout: how many of its cells (2 formats x 2 optimizers x 2 block kinds)
+    run, are refused (and why, by reason), or fail; the README's table."""
+    lines = ["| operator | " + " | ".join(LAYOUTS) + " |", "|---|" + "---|" * len(LAYOUTS)]
+    reasons: dict[str, list[str]] = {}
+    for op in OPERATORS:
+        row = []
+        for layout in LAYOUTS:
+            mine = [r for r in results if r["cell"].startswith(f"{op}/{layout}/")]
+            runs = sum(r["status"] == "runs" for r in mine)
+            parts = [f"{runs}/{len(mine)} run"] if mine else ["—"]
+            for kind, label in (("meaningless", "refused (meaningless)"), ("gap", "refused (not supported yet)"), ("unexpected", "**refused unexpectedly**")):
+                n = sum(r.get("refusal") == kind for r in mine)
+                if n:
+                    parts.append(f"{n} {label}")
+            fails = sum(r["status"] == "fails" and "refusal" not in r for r in mine)
+            if fails:
+                parts.append(f"**{fails} fail**")
+            row.append(", ".join(parts))
+            for r in mine:
+                if r["status"] != "runs":
+                    reasons.setdefault(r["reason"], []).append(r["cell"])
+        lines.append(f"| {op} | " + " | ".join(row) + " |")
+    lines.append("")
+    for reason, cells in reasons.items():
+        lines.append(f"- {len(cells)} cells ({cells[0]}, ...): {reason}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sample", type=int, default=0, help="run N cells that cover every axis instead of the whole matrix")
     ap.add_argument("--only", action="append", default=[], help="cells whose name (op/layout/format/optimizer/blocks) contains this (repeat: all of them)")
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder, removed)")
     ap.add_argument("--json", action="store_true", help="also print one machine-readable line")
+    ap.add_argument("--from-json", type=Path, default=None, help="print the tables of an earlier --json output instead of running")
     args = ap.parse_args(argv)
+    if args.from_json is not None:
+        results = json.loads(args.from_json.read_text().strip().splitlines()[-1])["cells"]
+        for r in results:  # classified by today's lists
+            if "reason" in r and r["status"] in ("refused", "fails") and not r["reason"].startswith(("the kill", "stopped before", "resume:", "the resumed", "steps ", "no step")):
+                r["refusal"] = classify(r["reason"])
+                r["status"] = "fails" if r["refusal"] == "unexpected" else "refused"
+        print(table(results) + "\n\n" + summary(results))
+        return 1 if any(r["status"] == "fails" for r in results) else 0
     cells = sample(args.sample) if args.sample else all_cells()
     cells = [c for c in cells if all(part in c.name for part in args.only)]
     root = args.out or Path(tempfile.mkdtemp(prefix="options-matrix-"))
@@ -261,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             shutil.rmtree(root, ignore_errors=True)
     print(table(results))
+    print()
+    print(summary(results))
     if args.json:
         print(json.dumps({"cells": results, "counts": {k: sum(r["status"] == k for r in results) for k in ("runs", "refused", "fails")}}))
     return 1 if any(r["status"] == "fails" for r in results) else 0
