@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -273,12 +274,12 @@ def summary(results: list[dict]) -> str:
                 parts.append(f"**{fails} fail**")
             row.append(", ".join(parts))
             for r in mine:
-                if r["status"] != "runs":
-                    reasons.setdefault(r["reason"], []).append(r["cell"])
+                if r["status"] != "runs":  # grouped by the message less where it points in the recipe file
+                    reasons.setdefault(re.sub(r"^- stages\.\d+\.grow\.\d+ \(line \d+\): ", "", r["reason"]), []).append(r["cell"])
         lines.append(f"| {op} | " + " | ".join(row) + " |")
     lines.append("")
     for reason, cells in reasons.items():
-        lines.append(f"- {len(cells)} cells ({cells[0]}, ...): {reason}")
+        lines.append(f"- {len(cells)} cells ({', '.join(sorted({c.split('/')[0] + ' ' + c.split('/')[2] for c in cells}))}): {reason}")
     return "\n".join(lines)
 
 
