@@ -166,8 +166,17 @@ def _reason(text: str) -> str:
 
 
 def run_cell(cell: Cell, root: Path) -> dict:
-    """One cell: validate, run killed at cell.kill_step, resume; its verdict and why."""
+    """One cell: validate, run killed at cell.kill_step, resume; its verdict and why (a launch that
+    hangs past its timeout fails the cell, not the matrix)."""
     start = time.monotonic()
+    try:
+        return _run_cell(cell, root, start)
+    except subprocess.TimeoutExpired as exc:
+        return {"cell": cell.name, "kill_step": cell.kill_step, "status": "fails", "reason": f"timed out after {exc.timeout:.0f} s: {exc.cmd[-4:]}",
+                "seconds": round(time.monotonic() - start, 1)}
+
+
+def _run_cell(cell: Cell, root: Path, start: float) -> dict:
     where = root / cell.name.replace("/", "-")
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)

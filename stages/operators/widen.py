@@ -27,8 +27,8 @@ import torch
 from growtrain.expert_shards import is_expert_tensor
 from growtrain.model.config import ModelConfig
 from growtrain.model.expert_parallel import shard_experts
-from growtrain.stages import sharding
 from growtrain.model.nf4 import MATRICES, dequantize_stack, nf4_requantized, stack_state, state_stack
+from growtrain.stages import sharding
 from growtrain.stages.common import materialize, requantized_note
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
