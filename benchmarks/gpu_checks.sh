@@ -9,6 +9,8 @@
 #      host syncs per step under torch.cuda.set_sync_debug_mode;
 #   6. with 2+ GPUs: a short torchrun run (NCCL, expert parallelism, overlapped combine).
 #   7. with 2+ GPUs: the same in the AF layout (interleaved schedule), and from 4 GPUs benchmarks/af_pipeline.py.
+#   8. benchmarks/gpu_step.py: every stage of recipes/120b.yaml as one of its 8 ranks runs it
+#      (tokens/s, TFLOP/s, MFU, peak memory against the plan, share of step time per part).
 # `--cpu`: parts 3-5 only, on the CPU with the reference backend (CI runs this form, so the script
 # cannot rot while no GPU is at hand). Writes everything under $OUT (default ./gpu_checks_out),
 # with summary.txt; exit code 0 only when every part that ran passed.
@@ -22,7 +24,7 @@ set -u
 OUT="${OUT:-gpu_checks_out}"
 mkdir -p "$OUT"
 PY="${PY:-$(command -v python || command -v python3)}"
-PARTS="${PARTS:-1 2 3 6}"
+PARTS="${PARTS:-1 2 8 3 6}"
 CPU=0
 [ "${1:-}" = "--cpu" ] && CPU=1
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -63,6 +65,16 @@ if [ "$CPU" -eq 0 ] && want 2; then
     "$PY" benchmarks/kernels.py --table "$OUT/bench.json" | tee "$OUT/bench_table.txt"
   else
     echo "benchmark failed (exit ${RC[2_kernel_benchmark]}):"; tail -30 "$OUT/bench.err"
+  fi
+fi
+
+if [ "$CPU" -eq 0 ] && want 8; then  # on an idle GPU too: its figures are timings
+  timeout "${STEP_TIMEOUT:-150}" "$PY" benchmarks/gpu_step.py --reps 2 --json > "$OUT/gpu_step.json" 2> "$OUT/gpu_step.err"
+  RC[8_gpu_step]=$?
+  if [ -s "$OUT/gpu_step.json" ]; then
+    "$PY" -c "import json, sys; sys.path.insert(0, 'benchmarks'); import gpu_step; print(gpu_step.table(json.load(open('$OUT/gpu_step.json'))))" | tee "$OUT/gpu_step.txt"
+  else
+    echo "gpu_step failed (exit ${RC[8_gpu_step]}):"; tail -30 "$OUT/gpu_step.err"
   fi
 fi
 

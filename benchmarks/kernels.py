@@ -170,6 +170,15 @@ def run(args) -> dict:
     lora_flops = 12 * NL * D4 * FL + 18 * NL * RL * (D4 + FL)
     ms_lora = t(lambda: grouped_swiglu(xl, offl, wl, ll).backward(dyl))
     ms_lora_triton = ms_lora if gemm == "triton" else t(lambda: grouped_swiglu(xl, offl, wl, ll, gemm="triton").backward(dyl))
+    # The step's variants on the torch._grouped_mm route (issue 47): the forward's dequantized
+    # bases dequantized again for the backward (the route before keep_dequantized), and the gate /
+    # up products folded with their A factors (fold="on"), kept or not.
+    variants = {}
+    if gemm == "torch":
+        for name, kw in (("dequantized_again", {"keep_dequantized": False}), ("kept", {}), ("folded", {"fold": "on"}),
+                         ("folded_dequantized_again", {"fold": "on", "keep_dequantized": False})):
+            variants[name] = t(lambda kw=kw: grouped_swiglu(xl, offl, wl, ll, **kw).backward(dyl))
+    out["nf4_lora_variants_ms"] = variants
     xd, wd_ = torch.randn(NL, D4, device=dev, dtype=bf16), torch.randn(D4, 3 * FL, device=dev, dtype=bf16)
     with torch.no_grad():
         ms_dense_l = t(lambda: xd @ wd_)
@@ -340,6 +349,7 @@ def table(res: dict) -> str:
         f"  grouped_swiglu        {res['nf4_lora_fwd_bwd_ms']:8.3f} ms  ({res['nf4_lora_fwd_bwd_tflops']:.1f} TFLOP/s, products by {res.get('gemm', 'triton')})",
         f"  triton kernels        {res.get('nf4_lora_fwd_bwd_triton_ms', float('nan')):8.3f} ms  ({res.get('nf4_lora_fwd_bwd_triton_tflops', float('nan')):.1f} TFLOP/s)",
         f"  one dense matmul      {res['dense_lora_shape_tflops']:8.1f} TFLOP/s   (fused / dense = {res['nf4_lora_fwd_bwd_vs_dense']:.2f}, target >= {TARGET_NF4_LORA_VS_DENSE})",
+        *[f"  {name:21s} {ms:8.3f} ms  ({res['nf4_lora_fwd_bwd_ms'] / ms:.2f}x the default's speed)" for name, ms in res.get("nf4_lora_variants_ms", {}).items()],
         "",
         f"down projection + combine, {s['signaled']}",
         f"  producer+consumer     {res['signaled_ms']:8.3f} ms",

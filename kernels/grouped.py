@@ -451,14 +451,16 @@ def resolve_nf4_decode(decode: str, device: torch.device) -> str:
     return decode
 
 
-def _kernel_weights(spec: "_Spec", dense: tuple, dtype: torch.dtype) -> list:
+def _kernel_weights(spec: "_Spec", dense: tuple, dtype: torch.dtype, kept: tuple = (None, None, None)) -> list:
     """The three weights as the kernel reads them: dense tensors as given; NF4 stacks decoded inside
     the kernel, or dequantized here to `dtype` (bit-identical values: the same nf4_values) and
-    handed over as dense [E, out, in] views. Dequantized copies live for one launch sequence."""
+    handed over as dense [E, out, in] views (`kept`: the forward's dequantized copies, reused)."""
     out = []
-    for w, q in zip(dense, spec.nf4):
+    for w, q, k in zip(dense, spec.nf4, kept):
         if w is not None:
             out.append(w)
+        elif k is not None:
+            out.append(k)
         elif spec.nf4_decode == "dequantize":
             full = dequantize_nf4_experts(q, dtype)
             out.append(full.transpose(1, 2) if q.transposed else full)
@@ -467,7 +469,34 @@ def _kernel_weights(spec: "_Spec", dense: tuple, dtype: torch.dtype) -> list:
     return out
 
 
+def _kept(spec: "_Spec", weights: list) -> list:
+    """What the forward keeps for the backward of the dequantized NF4 bases (spec.keep): the copies
+    themselves, so the backward does not dequantize again; None elsewhere."""
+    return [w if spec.keep and q is not None and spec.nf4_decode == "dequantize" else None for w, q in zip(weights, spec.nf4)]
+
+
+def _stacked_x_side(spec: "_Spec", wg, wu, loras: list, dtype: torch.dtype, F: int, D: int) -> torch.Tensor:
+    """The folded route's Wx = [Wg; Wu; Ag; Au] [E, K, D] in `dtype` (grouped_torch.x_side_rows;
+    `loras` padded): NF4 bases dequantized straight into their rows, dense ones and the A factors
+    cast into theirs."""
+    rows = grouped_torch.x_side_rows(F, loras)
+    present = [r for r in rows if r is not None]
+    E = spec.nf4[0].num_experts if wg is None else wg.shape[0]
+    device = spec.nf4[0].device if wg is None else wg.device
+    wx = torch.empty((E, present[-1][1], D), dtype=dtype, device=device)
+    for (lo, hi), w, q in zip(rows[:2], (wg, wu), spec.nf4[:2]):
+        if w is not None:
+            wx[:, lo:hi].copy_(w)
+        else:
+            dequantize_nf4_experts(q, dtype, out=wx[:, lo:hi])
+    for r, pair in zip(rows[2:], loras[:2]):
+        if r is not None:
+            wx[:, r[0] : r[1]].copy_(pair.A_ERI)
+    return wx
+
+
 GEMMS = ("auto", "triton", "torch")
+FOLDS = ("auto", "on", "off")
 
 
 def resolve_gemm(gemm: str, x: torch.Tensor, widths: list[int], tensors: list[torch.Tensor]) -> str:
@@ -490,6 +519,8 @@ class _Spec:
     save_for_backward: bool
     nf4_decode: str = "fused"  # resolved: "fused" or "dequantize"
     gemm: str = "triton"  # resolved: "triton" or "torch"
+    keep: bool = True  # keep the forward's dequantized NF4 bases for the backward
+    fold: bool = False  # resolved: the folded torch route (grouped_torch.forward_folded)
 
 
 class GroupedSwiGLUFunction(torch.autograd.Function):
@@ -498,14 +529,26 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offsets, spec: _Spec, wg, wu, wd, ag, bg, au, bu, ad, bd):
-        weights = _kernel_weights(spec, (wg, wu, wd), x.dtype)
         loras = [LoRA(a, b, s) if a is not None else None for a, b, s in zip((ag, au, ad), (bg, bu, bd), spec.scales)]
         save = spec.save_for_backward
-        if spec.gemm == "torch":
-            y, saved = grouped_torch.forward(x, _ends(offsets), *grouped_torch.in_dtype(weights, loras, x.dtype), save)
+        if spec.gemm == "torch" and spec.fold:
+            _, padded = grouped_torch.in_dtype([], loras, x.dtype)
+            F = weight_shape(spec.nf4[0] if wg is None else wg)[1]
+            wx = _stacked_x_side(spec, wg, wu, padded, x.dtype, F, x.shape[1])
+            (w_down,) = grouped_torch.in_dtype(_kernel_weights(replace(spec, nf4=spec.nf4[2:]), (wd,), x.dtype), [], x.dtype)[0]
+            y, saved = grouped_torch.forward_folded(x, _ends(offsets), wx, w_down, padded, save)
             if save:
-                ctx.spec = spec
-                ctx.save_for_backward(x, offsets, *saved, wg, wu, wd, ag, bg, au, bu, ad, bd)
+                ctx.spec, ctx.n_saved = spec, 2 + len(saved) + 2  # x, offsets, the route's, the kept copies
+                kept = (wx if spec.keep else None, _kept(spec, [None, None, w_down])[2])
+                ctx.save_for_backward(x, offsets, *saved, *kept, wg, wu, wd, ag, bg, au, bu, ad, bd)
+            return y
+        weights = _kernel_weights(spec, (wg, wu, wd), x.dtype)
+        if spec.gemm == "torch":
+            weights, padded = grouped_torch.in_dtype(weights, loras, x.dtype)
+            y, saved = grouped_torch.forward(x, _ends(offsets), weights, padded, save)
+            if save:
+                ctx.spec, ctx.n_saved = spec, 2 + len(saved) + 3
+                ctx.save_for_backward(x, offsets, *saved, *_kept(spec, weights), wg, wu, wd, ag, bg, au, bu, ad, bd)
             return y
         N, D = x.shape
         F = weight_shape(weights[0])[1]
@@ -523,34 +566,48 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
         y = x.new_empty((N, D))
         launch_grouped_mm(MODE_PLAIN, offsets, y, operand_args(h, weights[2], True, loras[2], zd))
         if save:
-            ctx.spec = spec
-            ctx.save_for_backward(x, offsets, g, u, zg, zu, zd, wg, wu, wd, ag, bg, au, bu, ad, bd)
+            ctx.spec, ctx.n_saved = spec, 2 + 5 + 3
+            ctx.save_for_backward(x, offsets, g, u, zg, zu, zd, *_kept(spec, weights), wg, wu, wd, ag, bg, au, bu, ad, bd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, offsets, g, u, zg, zu, zd, wg, wu, wd, ag, bg, au, bu, ad, bd = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, offsets, route = saved[0], saved[1], saved[2 : ctx.n_saved]
+        wg, wu, wd, ag, bg, au, bu, ad, bd = saved[ctx.n_saved :]
         spec = ctx.spec
         needs = ctx.needs_input_grad
-        weights = _kernel_weights(spec, (wg, wu, wd), x.dtype)
         loras = [LoRA(a, b, s) if a is not None else None for a, b, s in zip((ag, au, ad), (bg, bu, bd), spec.scales)]
         dy = dy.to(x.dtype).contiguous()
         N, D = x.shape
-        F = g.shape[1]
         need_dx = needs[0]
         need_dW = (needs[3], needs[4], needs[5])
         need_dA = (needs[6], needs[8], needs[10])
         need_dB = (needs[7], needs[9], needs[11])
-        if spec.gemm == "torch":
+        if spec.gemm == "torch" and spec.fold:
+            gu, zd, wx, w_down = route
+            _, padded = grouped_torch.in_dtype([], loras, x.dtype)
+            if w_down is None:
+                (w_down,) = grouped_torch.in_dtype(_kernel_weights(replace(spec, nf4=spec.nf4[2:]), (wd,), x.dtype), [], x.dtype)[0]
+            if wx is None:
+                wx = _stacked_x_side(spec, wg, wu, padded, x.dtype, w_down.shape[2], D)
+            dx, dW, dA, dB = grouped_torch.backward_folded(dy, x, _ends(offsets), gu, zd, wx, w_down, padded, need_dx, need_dW, need_dA, need_dB)
+        elif spec.gemm == "torch":
+            (g, u, zg, zu, zd), kept = route[:5], route[5:]
+            weights = _kernel_weights(spec, (wg, wu, wd), x.dtype, kept)
             dx, dW, dA, dB = grouped_torch.backward(
                 dy, x, _ends(offsets), g, u, (zg, zu, zd), *grouped_torch.in_dtype(weights, loras, x.dtype), need_dx, need_dW, need_dA, need_dB,
             )
+        if spec.gemm == "torch":
             like = (wg, wu, wd, ag, bg, au, bu, ad, bd)
             grads = [*dW, dA[0], dB[0], dA[1], dB[1], dA[2], dB[2]]
             # the adapters' gradients at their own rank (the route padded it): the leading rows / columns
             grads = [None if d is None else d[tuple(slice(0, n) for n in t.shape)].to(t.dtype) for d, t in zip(grads, like)]
             return dx, None, None, *grads
 
+        (g, u, zg, zu, zd), kept = route[:5], route[5:]
+        weights = _kernel_weights(spec, (wg, wu, wd), x.dtype, kept)
+        F = g.shape[1]
         # dh = dy Wd + sd (dy Bd) Ad, turned into dg, du (and h, recomputed, for the down-projection grads)
         dg, du = x.new_empty((N, F)), x.new_empty((N, F))
         need_h = need_dW[2] or need_dA[2]
@@ -602,6 +659,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def grouped_swiglu(
     x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, weights, lora=None, nf4_decode: str = "auto", gemm: str = "auto",
+    keep_dequantized: bool = True, fold: str = "auto",
 ) -> torch.Tensor:
     """y_sorted_ND for rows sorted by expert (offsets_E1[e]:offsets_E1[e+1] belong to expert e).
     weights = (gate [E,F,D], up [E,F,D], down [E,D,F]), each a tensor or an NF4Weight; lora =
@@ -610,7 +668,13 @@ def grouped_swiglu(
     require grad; NF4 bases are frozen. nf4_decode: where NF4 bases are decoded ("fused" inside the
     GEMM, "dequantize" first to the compute dtype, "auto": resolve_nf4_decode); same values either way.
     gemm: what runs the products ("triton" kernels, "torch" for torch._grouped_mm, "auto":
-    resolve_gemm); the torch route dequantizes NF4 first."""
+    resolve_gemm); the torch route dequantizes NF4 first. keep_dequantized: the forward's
+    dequantized NF4 bases are kept for the backward's input gradient (the reference backend keeps
+    them too, and the plan counts them as saved; under reversible blocks only one block's recompute
+    holds them) instead of dequantized again. fold: "on" stacks the gate and up products and their
+    adapters' A factors into one product forward and one for the input gradient
+    (grouped_torch.forward_folded; the torch route only), "off" does not, "auto" is off until a GPU
+    shows it faster (benchmarks/kernels.py times both)."""
     weights = ExpertWeights(*weights)
     lora = ExpertLoRA(*(lora if lora is not None else (None, None, None)))
     dt = _compute_dtype(x_sorted_ND)
@@ -645,8 +709,12 @@ def grouped_swiglu(
         if nf4_decode == "fused":
             raise ValueError("nf4_decode='fused' needs gemm='triton' (torch._grouped_mm takes dense weights)")
         decode = "dequantize"
+    if fold not in FOLDS:
+        raise ValueError(f"fold must be one of {', '.join(FOLDS)}, got {fold!r}")
+    if fold == "on" and engine != "torch":
+        raise ValueError("fold='on' needs the torch._grouped_mm route (gemm='torch')")
     spec = _Spec(
         nf4=nf4, scales=tuple(lo.scale if lo is not None else 0.0 for lo in lora), save_for_backward=save,
-        nf4_decode=decode, gemm=engine,
+        nf4_decode=decode, gemm=engine, keep=keep_dequantized, fold=fold == "on",
     )
     return GroupedSwiGLUFunction.apply(x, offsets, spec, *dense, *lora_tensors)

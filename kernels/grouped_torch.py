@@ -146,3 +146,71 @@ def backward(dy, x, offs, g, u, z_fwd, weights, loras, need_dx: bool, need_dW: t
         if need_dA[i]:
             dA[i] = _wgrad(zb, x_in[i], offs, lo.scale)
     return dx, dW, dA, dB
+
+
+# ---------------------------------------------------------------------------------------------
+# The folded route: the gate and up projections and their adapters' A factors stacked along the
+# output rows, Wx = [Wg; Wu; Ag; Au] [E, 2F + 2r', D] (r' the padded rank; a block absent without
+# its pair), so that one grouped product reads x once and writes [g | u | x Ag^T | x Au^T], and one
+# product gives the input gradient, dx = [dg | du | sg dg Bg | su du Bu] @ Wx, where the unfolded
+# route runs four products and adds three [N, D] terms. The B-terms are still added to g and u in
+# place, and the down projection is as in `forward` / `backward`.
+
+
+def x_side_rows(F: int, loras: list) -> list[tuple[int, int]]:
+    """Row ranges of Wx's blocks: gate, up, then each present adapter's A (None where absent)."""
+    ranges, at = [(0, F), (F, 2 * F)], 2 * F
+    for lo in loras[:2]:
+        if lo is None:
+            ranges.append(None)
+        else:
+            ranges.append((at, at + lo.A_ERI.shape[1]))
+            at += lo.A_ERI.shape[1]
+    return ranges
+
+
+def forward_folded(x: torch.Tensor, offs: torch.Tensor, wx: torch.Tensor, wd: torch.Tensor, loras: list, save: bool):
+    """y [N, D] and what backward_folded needs: (gu, zd) with gu = [g | u | zg | zu] [N, K], or
+    None when not saving. wx [E, K, D] (x_side_rows), wd [E, D, F], loras padded (in_dtype)."""
+    F = wd.shape[2]
+    rows = x_side_rows(F, loras)
+    gu = _gm(x, wx.transpose(1, 2), offs)
+    g, u = gu[:, : rows[0][1]], gu[:, rows[1][0] : rows[1][1]]
+    for part, lo, r in ((g, loras[0], rows[2]), (u, loras[1], rows[3])):
+        if lo is not None:
+            part.add_(_gm(gu[:, r[0] : r[1]], lo.B_EOR.transpose(1, 2), offs), alpha=lo.scale)
+    h = swiglu_forward(g, u)
+    zd = low_rank(h, loras[2], True, offs)
+    y = _project(h, wd, True, loras[2], zd, offs)
+    return y, ((gu, zd) if save else None)
+
+
+def backward_folded(dy, x, offs, gu, zd, wx, wd, loras, need_dx: bool, need_dW: tuple, need_dA: tuple, need_dB: tuple):
+    """As `backward`, for forward_folded's saved tensors."""
+    F = wd.shape[2]
+    rows = x_side_rows(F, loras)
+    g, u = gu[:, : rows[0][1]], gu[:, rows[1][0] : rows[1][1]]
+    zbd = low_rank(dy, loras[2], False, offs)
+    dh = _project(dy, wd, False, loras[2], zbd, offs)
+    stacked = dy.new_empty((dy.shape[0], gu.shape[1]))  # [dg | du | sg dg Bg | su du Bu]
+    dg, du = stacked[:, : rows[0][1]], stacked[:, rows[1][0] : rows[1][1]]
+    _, _, h = swiglu_backward(dh, g, u, need_dW[2] or need_dA[2], out=(dg, du))
+    del dh
+    zb = [None, None, zbd]  # (scaled for gate and up: the stacked operand's columns)
+    for i, (d, lo, r) in enumerate(((dg, loras[0], rows[2]), (du, loras[1], rows[3]))):
+        if lo is not None and (need_dx or need_dA[i]):
+            zb[i] = stacked[:, r[0] : r[1]]
+            torch.mul(_gm(d, lo.B_EOR, offs), lo.scale, out=zb[i])
+    dx = _gm(stacked, wx, offs) if need_dx else None
+    d_in, x_in = (dg, du, dy), (x, x, h)
+    dW = [_wgrad(d_in[i], x_in[i], offs) if need_dW[i] else None for i in range(3)]
+    dA, dB = [None] * 3, [None] * 3
+    z_fwd = [gu[:, r[0] : r[1]] if r is not None else None for r in rows[2:]] + [zd]
+    for i, lo in enumerate(loras):
+        if lo is None:
+            continue
+        if need_dB[i]:
+            dB[i] = _wgrad(d_in[i], z_fwd[i], offs, lo.scale)
+        if need_dA[i]:
+            dA[i] = _wgrad(zb[i], x_in[i], offs, 1.0 if i < 2 else lo.scale)
+    return dx, dW, dA, dB

@@ -71,6 +71,7 @@ def _dequant_kernel(
     ncode_ptr,
     qoff_ptr,
     numel,
+    out_stride_e,
     NESTED: tl.constexpr,
     QBLOCK: tl.constexpr,
     NQBLOCK: tl.constexpr,
@@ -86,7 +87,7 @@ def _dequant_kernel(
         out = round_to_bf16(v)
     else:
         out = v.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + e.to(tl.int64) * numel + flat, out, mask=mask)
+    tl.store(out_ptr + e.to(tl.int64) * out_stride_e + flat, out, mask=mask)
 
 
 def nf4_kernel_args(w: NF4Weight) -> tuple:
@@ -94,10 +95,15 @@ def nf4_kernel_args(w: NF4Weight) -> tuple:
     return (w.codes_EB, w.absmax_EK, w.code_16, w.nested_absmax_EJ, w.nested_code_256, w.offset_E)
 
 
-def dequantize_nf4_experts(w: NF4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[E, rows, cols] (the stored layout) in `dtype` (fp32, bf16 or fp16)."""
+def dequantize_nf4_experts(w: NF4Weight, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[E, rows, cols] (the stored layout) in `dtype` (fp32, bf16 or fp16). `out`: where to write
+    it instead of a new tensor, e.g. a slice of a stack of several matrices along rows (each
+    expert's rows x cols contiguous, any stride between experts)."""
     E, numel = w.num_experts, w.numel_per_expert
-    out = torch.empty((E, *w.shape), dtype=dtype, device=w.device)
+    if out is None:
+        out = torch.empty((E, *w.shape), dtype=dtype, device=w.device)
+    elif tuple(out.shape) != (E, *w.shape) or out.dtype != dtype or out.stride()[1:] != (w.shape[1], 1):
+        raise ValueError(f"dequantize_nf4_experts: out must be {dtype} [{E}, {w.shape[0]}, {w.shape[1]}] with each expert contiguous, got {out.dtype} {list(out.shape)} strides {out.stride()}")
     if out.numel() == 0:
         return out
     grid = (triton.cdiv(numel, _DEQUANT_BLOCK), E)
@@ -105,6 +111,7 @@ def dequantize_nf4_experts(w: NF4Weight, dtype: torch.dtype = torch.float32) -> 
         out,
         *nf4_kernel_args(w),
         numel,
+        out.stride(0),
         NESTED=w.nested,
         QBLOCK=w.blocksize,
         NQBLOCK=w.nested_blocksize,

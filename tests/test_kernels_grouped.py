@@ -178,12 +178,16 @@ def test_nf4_decoded_in_the_kernel_or_dequantized_first_gives_the_same_bits_forw
         assert_equal(f"{name}: fused vs dequantized first", a, b)
 
 
+@pytest.mark.parametrize("fold, keep", [("off", True), ("off", False), ("on", True), ("on", False)], ids=["kept", "dequantized_again", "folded", "folded_dequantized_again"])
 @pytest.mark.parametrize("fmt, r", [("dense", 0), ("nf4_lora", 4), ("nf4_lora", 3)], ids=["dense", "nf4_lora", "nf4_lora_rank_padded"])
-def test_torch_grouped_mm_route_matches_the_reference_forward_and_backward(fmt, r):
+def test_torch_grouped_mm_route_matches_the_reference_forward_and_backward(fmt, r, fold, keep):
     # The route a Hopper GPU takes in bf16 (resolve_gemm), run here on the CPU in fp32, where
     # torch._grouped_mm is a loop of matmuls: the same math, orientation and gradients. D and F are
     # multiples of 16 bytes, as the op requires; a rank of 3 (12 bytes) is zero-padded to 4 by the
-    # route, and its adapters' gradients come back at rank 3; expert 1 has no rows.
+    # route, and its adapters' gradients come back at rank 3; expert 1 has no rows. Folded: the
+    # gate and up products and their A factors stacked into one product each way
+    # (grouped_torch.forward_folded); kept or not: the forward's dequantized bases reused by the
+    # backward or dequantized again.
     from growtrain.kernels.grouped import resolve_gemm
     from growtrain.kernels.grouped_torch import padded_rank
 
@@ -204,7 +208,7 @@ def test_torch_grouped_mm_route_matches_the_reference_forward_and_backward(fmt, 
     dy = torch.randn(N, d, generator=gen)
     off = _offsets(counts)
     leaves = [x] + [t for t in w if isinstance(t, torch.Tensor)] + [t for lo in lora if lo is not None for t in (lo.A_ERI, lo.B_EOR)]
-    y = grouped_swiglu(x, off, w, lora, gemm="torch")
+    y = grouped_swiglu(x, off, w, lora, gemm="torch", fold=fold, keep_dequantized=keep)
     got = _grads(y, dy, leaves)
     y_ref = grouped_swiglu_lora_reference(x, off, w, lora)
     want = [g if g is not None else torch.zeros_like(t) for g, t in zip(_grads(y_ref, dy, leaves), leaves)]
@@ -349,7 +353,7 @@ def test_bf16_forward_and_backward_match_the_fp32_reference_on_gpu(E, counts, d,
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("gemm", ["triton", "auto"])
+@pytest.mark.parametrize("gemm", ["triton", "auto", "auto+fold"])  # +fold: grouped_torch.forward_folded
 def test_nf4_lora_at_the_120b_recipes_shapes_matches_the_fp32_reference_in_bf16(gemm):
     """The last stage's per-GPU expert work of recipes/120b.yaml: 32 local experts of D 4096, F 1024,
     LoRA r 16, ~64k token-slots routed unevenly (one expert empty), forward and backward in bf16
@@ -374,7 +378,8 @@ def test_nf4_lora_at_the_120b_recipes_shapes_matches_the_fp32_reference_in_bf16(
               for o, i in ((f, d), (f, d), (d, f))]
     lora16 = [LoRA(lo.A_ERI.detach().bfloat16().requires_grad_(True), lo.B_EOR.detach().bfloat16().requires_grad_(True), lo.scale) for lo in lora32]
     x16 = x32.detach().bfloat16().requires_grad_(True)
-    y16 = grouped_swiglu(x16, off, w, lora16, gemm=gemm)
+    gemm, _, fold = gemm.partition("+")
+    y16 = grouped_swiglu(x16, off, w, lora16, gemm=gemm, fold="on" if fold else "off")
     y16.backward(dy32.bfloat16())
     y32 = grouped_swiglu_lora_reference(x32, off, w, lora32)
     assert_close("y bf16", y16.float(), y32.detach(), **BF16)
@@ -446,3 +451,73 @@ def test_swiglu_elementwise_kernels_match_their_reference():
     for name, a, b in zip(("dg", "du", "h"), got, want):
         assert_close(name, a, b, **FP32)
     assert launch_backward(dh, g, u, False, 256)[2] is None
+
+
+def test_the_dequantized_bases_are_kept_for_the_backward_or_dequantized_again(monkeypatch):
+    # keep_dequantized: the forward's copies serve the input gradient (one dequantization per
+    # matrix per forward + backward, as the reference backend and the plan count it); without it
+    # the backward dequantizes every base again. Same values either way (bit for bit).
+    from growtrain.kernels import grouped
+
+    calls = []
+    real = grouped.dequantize_nf4_experts
+
+    def counted(w, dtype=torch.float32, out=None):
+        calls.append(w.shape)
+        return real(w, dtype, out=out)
+
+    monkeypatch.setattr(grouped, "dequantize_nf4_experts", counted)
+    counts = [4, 0, 7]
+    E, N, d, f = len(counts), sum(counts), 32, 16
+    results = {}
+    for gemm, fold in (("triton", "off"), ("torch", "off"), ("torch", "on")):
+        for keep in (True, False):
+            gen = torch.Generator().manual_seed(5)
+            w = tuple(NF4Weight.quantize(torch.randn(E, f, d, generator=gen) * 0.3, transposed=t) for t in (False, False, True))
+            lora = tuple(_lora(E, o, i, gen, 0.5, rank=4) for o, i in ((f, d), (f, d), (d, f)))
+            x = _randn(N, d, gen=gen, scale=1.0)
+            calls.clear()
+            y = grouped_swiglu(x, _offsets(counts), w, lora, gemm=gemm, nf4_decode="dequantize", fold=fold, keep_dequantized=keep)
+            grads = _grads(y, torch.ones_like(y), [x] + [t for lo in lora for t in (lo.A_ERI, lo.B_EOR)])
+            assert len(calls) == (3 if keep else 6), f"{gemm} fold {fold} keep {keep}: {len(calls)} dequantizations"
+            results.setdefault((gemm, fold), []).append([y.detach(), *grads])
+    for route, (kept, again) in results.items():
+        for i, (a, b) in enumerate(zip(kept, again)):
+            assert_equal(f"{route} output/gradient {i}: kept vs dequantized again", a, b)
+    x = torch.randn(3, d)
+    with pytest.raises(ValueError, match="fold='on' needs"):
+        grouped_swiglu(x, _offsets([3, 0, 0]), w, lora, gemm="triton", fold="on")
+    with pytest.raises(ValueError, match="fold must be one of"):
+        grouped_swiglu(x, _offsets([3, 0, 0]), w, lora, fold="sometimes")
+
+
+def test_dequantizing_into_a_slice_of_a_stack_gives_the_same_values():
+    gen = torch.Generator().manual_seed(8)
+    w = NF4Weight.quantize(torch.randn(3, 16, 32, generator=gen), compress_statistics=True)
+    stack = torch.full((3, 40, 32), 7.0)
+    got = dequantize_nf4_experts(w, torch.float32, out=stack[:, 8:24])
+    assert got.data_ptr() == stack[:, 8:24].data_ptr()
+    assert_equal("slice", stack[:, 8:24], dequantize_nf4_experts(w))
+    assert bool((stack[:, :8] == 7).all() and (stack[:, 24:] == 7).all()), "rows outside the slice were written"
+    with pytest.raises(ValueError, match="each expert contiguous"):
+        dequantize_nf4_experts(w, torch.float32, out=torch.empty(3, 32, 16).transpose(1, 2))
+
+
+def test_swiglu_kernels_read_and_write_column_slices_of_a_wider_tensor():
+    # The folded route hands g and u as column slices of [g | u | zg | zu] and takes dg, du into
+    # the input gradient's stacked operand: the same values as contiguous copies.
+    from growtrain.kernels._swiglu_triton import launch_backward, launch_forward
+    from growtrain.kernels.swiglu import swiglu_backward_reference, swiglu_forward_reference
+
+    gen = torch.Generator().manual_seed(32)
+    gu = torch.randn(37, 70, generator=gen) * 3
+    g, u, dh = gu[:, :29], gu[:, 29:58], torch.randn(37, 29, generator=gen)
+    assert_close("h", launch_forward(g, u, 256), swiglu_forward_reference(g.contiguous(), u.contiguous()), **FP32)
+    stacked = torch.zeros(37, 64)
+    out = (stacked[:, :29], stacked[:, 29:58])
+    got = launch_backward(dh, g, u, True, 256, out=out)
+    want = swiglu_backward_reference(dh, g.contiguous(), u.contiguous(), True)
+    assert got[0].data_ptr() == stacked.data_ptr()
+    for name, a, b in zip(("dg", "du", "h"), got, want):
+        assert_close(name, a, b, **FP32)
+    assert bool((stacked[:, 58:] == 0).all())
