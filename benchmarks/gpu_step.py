@@ -304,7 +304,7 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "120b.yaml"))
     p.add_argument("--stage", action="append", default=[], help="a stage name (repeatable; default: every stage)")
     p.add_argument("--gpus", type=int, default=8, help="the node's GPUs this one stands for (default 8)")
@@ -313,6 +313,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="toy widths on the CPU, fp32 (the suite runs this form)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args(argv)
+    for name, least in (("gpus", 1), ("reps", 1), ("blocks", 0)):
+        if getattr(args, name) < least:
+            p.error(f"--{name} must be at least {least}")
 
     from growtrain.planning.recipe import resolve_vocab
     from growtrain.recipe import RecipeError, load_recipe
