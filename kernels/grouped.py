@@ -475,6 +475,13 @@ def _kept(spec: "_Spec", weights: list) -> list:
     return [w if spec.keep and q is not None and spec.nf4_decode == "dequantize" else None for w, q in zip(weights, spec.nf4)]
 
 
+def _down_weight(spec: "_Spec", wd, dtype: torch.dtype) -> torch.Tensor:
+    """The folded route's down projection [E, D, F] in `dtype`: the dense weight cast, or the NF4
+    base dequantized (a transposed view of its stored [F, D])."""
+    (w,) = _kernel_weights(replace(spec, nf4=spec.nf4[2:]), (wd,), dtype)
+    return w.to(dtype)
+
+
 def _stacked_x_side(spec: "_Spec", wg, wu, loras: list, dtype: torch.dtype, F: int, D: int) -> torch.Tensor:
     """The folded route's Wx = [Wg; Wu; Ag; Au] [E, K, D] in `dtype` (grouped_torch.x_side_rows;
     `loras` padded): NF4 bases dequantized straight into their rows, dense ones and the A factors
@@ -535,7 +542,7 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
             _, padded = grouped_torch.in_dtype([], loras, x.dtype)
             F = weight_shape(spec.nf4[0] if wg is None else wg)[1]
             wx = _stacked_x_side(spec, wg, wu, padded, x.dtype, F, x.shape[1])
-            (w_down,) = grouped_torch.in_dtype(_kernel_weights(replace(spec, nf4=spec.nf4[2:]), (wd,), x.dtype), [], x.dtype)[0]
+            w_down = _down_weight(spec, wd, x.dtype)
             y, saved = grouped_torch.forward_folded(x, _ends(offsets), wx, w_down, padded, save)
             if save:
                 ctx.spec, ctx.n_saved = spec, 2 + len(saved) + 2  # x, offsets, the route's, the kept copies
@@ -588,7 +595,7 @@ class GroupedSwiGLUFunction(torch.autograd.Function):
             gu, zd, wx, w_down = route
             _, padded = grouped_torch.in_dtype([], loras, x.dtype)
             if w_down is None:
-                (w_down,) = grouped_torch.in_dtype(_kernel_weights(replace(spec, nf4=spec.nf4[2:]), (wd,), x.dtype), [], x.dtype)[0]
+                w_down = _down_weight(spec, wd, x.dtype)
             if wx is None:
                 wx = _stacked_x_side(spec, wg, wu, padded, x.dtype, w_down.shape[2], D)
             dx, dW, dA, dB = grouped_torch.backward_folded(dy, x, _ends(offsets), gu, zd, wx, w_down, padded, need_dx, need_dW, need_dA, need_dB)
