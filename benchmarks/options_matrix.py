@@ -73,8 +73,6 @@ MEANINGLESS = {
 }
 GAPS = {
     "residual does not run in the AF layout yet": "checkpointed residual blocks in the AF layout (plain autograd runs there)",
-    "cannot be cut into": "split_experts on NF4 experts whose children would not start on a (nested) quantization block",
-    "already has MoE layers with other settings": "upcycle_moe into a model whose MoE layers are NF4 already",
 }
 
 

@@ -2,7 +2,8 @@
 x block kind, each a real `growtrain run` killed mid-step and resumed): cells chosen to cover every
 value of every axis but the operators (which the full matrix covers; its table is in the README),
 picked among the combinations issue 46 opened: widening NF4 experts, 8-bit state over several
-processes (under residual blocks too).
+processes (under residual blocks too), a split of NF4 experts whose children start inside nested
+absmax blocks (their block scales double-quantized again, judged as approximate).
 Each cell must run (its resume repeating its losses bit for bit) or be refused at validate for a
 listed reason."""
 
@@ -20,7 +21,7 @@ from options_matrix import Cell, run_cell  # noqa: E402
 CELLS = [
     Cell("widen_ffn", "ep2", "nf4", "8bit", "residual"),
     Cell("clone_experts", "af11", "full", "8bit", "coupling"),
-    Cell("widen_hidden", "one", "nf4", "adamw", "coupling"),
+    Cell("split_experts", "one", "nf4", "adamw", "coupling"),
 ]
 
 

@@ -42,14 +42,17 @@ state: experts and router rows β = 1, S = m (the siblings share the parent's mo
 neurons start fresh with their own step count.
 
 NF4 experts (quantize_experts; growtrain/model/nf4.py) are cut and copied on their 4-bit codes and
-quantization state, never requantized, so the bases of the children dequantize bit for bit to the
-parent's rows (split ×f):
+quantization state wherever the shapes allow, so the bases of the children dequantize bit for bit
+to the parent's rows (split ×f):
 - split: child j takes rows [j·F/f, (j+1)·F/f) of every stored matrix (w_down is stored
   transposed, [F, D], so its neuron slice is a row slice too), and the down-projection's ×f scales
-  only the absmax (nf4_scale: exact for powers of two, so factor must be one). A slice is exact
-  only where it starts on a quantization block: each child's matrix, F/f × D elements, must be a
-  multiple of 64, and with double quantization of 64 · 256 = 16384 (the nested absmax blocks);
-  otherwise the plan refuses, naming the size needed (no silent requantization). The LoRA pairs
+  only the absmax (nf4_scale: exact for powers of two). A slice is exact only where it starts on a
+  quantization block: each child's matrix, F/f × D elements, must be a multiple of 64, and with
+  double quantization of 64 · 256 = 16384 (the nested absmax blocks). Elsewhere the children are
+  made with as little requantizing as the shapes allow (`_nf4_children`: block scales
+  double-quantized again with the codes kept, or the whole base requantized), and the move is
+  measured and noted, so the transition judges the split as approximate with the reason and
+  the size that would make it exact (never a silent requantization). The LoRA pairs
   split so that each child's product is its parent's restricted to its neurons: gate/up B
   [E, F, r] is sliced by rows (β = 1, S = 1, like the base rows) and A [E, r, D] shared by the f
   children; down A [E, r, F] is sliced by columns and ×f (β = f, S = f, like the full-precision
@@ -65,14 +68,29 @@ Legend: E experts, F expert hidden width, D d_model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from growtrain.kernels.nf4_reference import NESTED_BLOCKSIZE, NF4_BLOCKSIZE
+from growtrain.kernels.nf4_reference import NESTED_BLOCKSIZE, NF4_BLOCKSIZE, NF4Stack
 from growtrain.model.config import ModelConfig
-from growtrain.model.nf4 import MATRICES, nf4_cat_experts, nf4_per_expert, nf4_scale, nf4_slice_rows, nf4_take_experts, row_slice_problem, stack_state
-from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
+from growtrain.model.nf4 import (
+    MATRICES,
+    dequantize_stack,
+    nf4_cat_experts,
+    nf4_per_expert,
+    nf4_renest_rows,
+    nf4_requantized,
+    nf4_row_slice_problem,
+    nf4_scale,
+    nf4_slice_rows,
+    nf4_take_experts,
+    quantize_stack,
+    row_slice_problem,
+    stack_state,
+)
+from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, requantized_note, sibling_copies
 from growtrain.stages.sharding import children_to_owners, draw_key, local_range, sub_key
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 
@@ -126,10 +144,11 @@ def plan_split(cfg: ModelConfig, args: SplitExpertsArgs) -> ModelConfig:
     f, moe = args.factor, cfg.moe
     if moe.expert_hidden % f:
         raise GrowthPlanError(f"split_experts: expert_hidden {moe.expert_hidden} is not divisible by the factor {f}")
-    if is_nf4(cfg):
-        problem = nf4_split_problem(cfg.d_model, moe.expert_hidden, f, moe.double_quant)
-        if problem:
-            raise GrowthPlanError(f"split_experts: {problem}")
+    if is_nf4(cfg) and (moe.expert_hidden // f * cfg.d_model) % 2:
+        raise GrowthPlanError(
+            f"split_experts: NF4 packs two weights per byte, and each child's matrix, expert_hidden / factor x d_model = "
+            f"{moe.expert_hidden // f} x {cfg.d_model}, has an odd number of elements; choose another factor, or split before quantize_experts"
+        )
     return cfg.with_changes(
         moe=replace(
             moe,
@@ -142,7 +161,9 @@ def plan_split(cfg: ModelConfig, args: SplitExpertsArgs) -> ModelConfig:
 
 
 def nf4_split_problem(d_model: int, hidden: int, f: int, double_quant: bool) -> str | None:
-    """Why NF4 experts of hidden width `hidden` cannot be split f-fold bit-exactly (None: they can)."""
+    """Why NF4 experts of hidden width `hidden` cannot be split f-fold on their codes, bit-exactly
+    (None: they can); such a split re-quantizes what it must (`_nf4_children`) and is judged as
+    approximate, with this as the note's way to make it exact."""
     if f & (f - 1):
         return (
             f"factor {f} on NF4 experts: the down-projection's ×{f} is exact on the codes only for powers of two "
@@ -156,7 +177,7 @@ def nf4_split_problem(d_model: int, hidden: int, f: int, double_quant: bool) -> 
             why = f"{NESTED_BLOCKSIZE} nested absmax blocks of {NF4_BLOCKSIZE}" if double_quant else "the quantization block"
             alternatives = "split before quantize_experts, quantize with double_quant: false (then multiples of 64 suffice), or " if double_quant else "split before quantize_experts, or "
             return (
-                f"the NF4 experts' {hidden} x {d_model} matrices cannot be cut into {f} children without requantizing "
+                f"the NF4 experts' {hidden} x {d_model} matrices cannot be cut into {f} children on their codes "
                 f"(child {j}: {problem}). Each child's matrix, expert_hidden / factor x d_model = {rows} x {d_model} = {rows * d_model} "
                 f"elements, must be a multiple of {need} ({why}); {alternatives}choose expert_hidden and d_model so that it is"
             )
@@ -221,15 +242,19 @@ def _layer_tensors(model, block: int, new: dict, provenance: dict):
 def apply_split(model, args: SplitExpertsArgs) -> Growth:
     old_cfg, f = model.config, args.factor
     new_cfg = plan_split(old_cfg, args)
-    new, provenance = _grow_by_layer(model, args, split_layer, new_cfg, None)
+    requantized: list[str] = []  # NF4 bases the codes could not be cut from (`_nf4_children`)
+    new, provenance = _grow_by_layer(model, args, lambda *a: split_layer(*a, notes=requantized), new_cfg, None)
     parent = torch.arange(f * old_cfg.moe.num_experts) % old_cfg.moe.num_experts
-    notes = [f"split_experts ×{f}: {p}" for p in selection_tie_problems(model)]
+    notes = [f"split_experts ×{f}: {p}" for p in selection_tie_problems(model)] + requantized
     return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)}, notes=notes)
 
 
-def split_layer(model, args: SplitExpertsArgs, block: int, key: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Provenance]]:
+def split_layer(
+    model, args: SplitExpertsArgs, block: int, key: int | None = None, notes: list[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Provenance]]:
     """One MoE layer's children (router rows, experts; a shared expert carried) and their
-    provenance; draws nothing (`key` unused: the signature of stages/streaming.LAYERWISE)."""
+    provenance; draws nothing (`key` unused: the signature of stages/streaming.LAYERWISE). NF4
+    bases that had to be requantized add their note (judged as approximate) to `notes`."""
     old_cfg, f = model.config, args.factor
     E = old_cfg.moe.num_experts
     new, provenance = {}, {}
@@ -245,7 +270,9 @@ def split_layer(model, args: SplitExpertsArgs, block: int, key: int | None = Non
         if name in params:
             provenance[name] = Provenance("copy", name, transform, copies=1.0 if what in ("w_gate", "w_up") else float(f), beta=beta)
     if is_nf4(old_cfg):
-        _split_nf4(moe.experts, prefix + "experts.", f, E, new, provenance)
+        found = _split_nf4(moe.experts, prefix + "experts.", f, E, new, provenance)
+        if notes is not None:
+            notes.extend(found)
     return new, provenance
 
 
@@ -283,13 +310,15 @@ def _tile(f: int):
     return lambda t: t.repeat((f,) + (1,) * (t.ndim - 1))  # child j·E + e = e
 
 
-def _split_nf4(experts, prefix: str, f: int, E: int, new: dict, provenance: dict) -> None:
-    """An NF4Experts module's children (see the module docstring), written into `new` under `prefix`."""
-    rows = experts.hidden // f
+def _split_nf4(experts, prefix: str, f: int, E: int, new: dict, provenance: dict) -> list[str]:
+    """An NF4Experts module's children (see the module docstring), written into `new` under
+    `prefix`; returns a note per base that could not be cut on its codes (`_nf4_children`)."""
+    notes = []
+    exact_when = nf4_split_problem(experts.d_model, experts.hidden, f, experts.double_quant)
     for m in MATRICES:
-        children = nf4_cat_experts([nf4_slice_rows(experts.stack(m), j * rows, (j + 1) * rows) for j in range(f)])
-        if m == "w_down":
-            children = nf4_scale(children, float(f))
+        children, moved, how = _nf4_children(experts.stack(m), f, float(f) if m == "w_down" else 1.0)
+        if how:
+            notes += requantized_note("split_experts", prefix + m, moved, how, f"where the codes can be cut: {exact_when}")
         new.update({prefix + k: v for k, v in stack_state(m, _to_owners(children, f, E)).items()})
         # The factor indexed by the neurons is sliced (gate/up B's rows, down A's columns: the
         # transforms of the full-precision w_gate and w_down); the other is shared by the children.
@@ -304,6 +333,39 @@ def _split_nf4(experts, prefix: str, f: int, E: int, new: dict, provenance: dict
             else:
                 new[name] = _children(f, E)(w)
                 provenance[name] = Provenance("copy", name, _children(f, E), copies=float(f), beta=1.0)
+    return notes
+
+
+def _nf4_children(stack: NF4Stack, f: int, scale: float) -> tuple[NF4Stack, float, str]:
+    """Every expert's f children (child-major: child j of expert e at j·E + e), each its parent's
+    rows [j·R/f, (j+1)·R/f) times `scale`; with how far they move from those values (relative to
+    the largest of them) and how they were made ("": cut from the codes, exact, 0.0). Chosen from
+    the shapes alone, so every rank of a sharded model takes the same way:
+    - codes and quantization state cut (nf4_slice_rows, nf4_scale) where every child starts on a
+      (nested) quantization block and the scale is a power of two: bit for bit the parent's rows;
+    - with double quantization, where children start on a quantization block but not on a nested
+      one: the 4-bit codes kept and each child's block scales double-quantized again
+      (nf4_renest_rows), every scale moving by at most one 8-bit step;
+    - elsewhere (children starting inside a block, a scale that is not a power of two) the
+      parent dequantized, cut, scaled and quantized again (nf4_requantized)."""
+    rows = stack.rows // f
+    cuts = [(j * rows, (j + 1) * rows) for j in range(f)]
+    pow2 = math.frexp(scale)[0] == 0.5
+    if pow2 and not any(nf4_row_slice_problem(stack, a, b) for a, b in cuts):
+        return nf4_scale(nf4_cat_experts([nf4_slice_rows(stack, a, b) for a, b in cuts]), scale), 0.0, ""
+    target = dequantize_stack(stack).unflatten(1, (f, rows)).transpose(0, 1).flatten(0, 1) * scale
+    blocks_align = not any(row_slice_problem(stack.rows, stack.cols, a, b, False) for a, b in cuts)
+    if not (pow2 and stack.double_quant and blocks_align):
+        grown, moved = nf4_requantized(stack, target)
+        return grown, moved, "for the children (dequantized, cut and quantized again)"
+    if not stack.num_experts:  # no expert here (an AF layout's attention rank): the format alone
+        return quantize_stack(target, stack.double_quant), 0.0, "for the children by double-quantizing their block scales again"
+    sliced = [nf4_slice_rows(stack, a, b) if not nf4_row_slice_problem(stack, a, b) else nf4_renest_rows(stack, a, b) for a, b in cuts]
+    children = nf4_scale(nf4_cat_experts(sliced), scale)
+    got = dequantize_stack(children).to(target.device)
+    largest = float(target.abs().max())
+    moved = float((got - target).abs().max()) / largest if largest else float((got - target).abs().max())
+    return children, moved, "for the children by double-quantizing their block scales again (the 4-bit codes kept)"
 
 
 # ---------------------------------------------------------------- clone_experts
@@ -411,8 +473,9 @@ register(
         True,
         "E → f·E experts and top_k → f·top_k: each expert's neurons cut into f children, router rows duplicated, "
         "down-projections ×f (each child gets gate/f); exact unless the k-th and (k+1)-th router logits tie (as siblings of an earlier split do until trained apart: named in a failed check). Expert parameters "
-        "unchanged (the router gains rows). NF4 experts: codes cut without requantizing (factor a power of two; each child's "
-        "matrix a multiple of 64 elements, 16384 with double quantization), LoRA pairs split with them.",
+        "unchanged (the router gains rows). NF4 experts: codes cut without requantizing where the factor is a power of two and each "
+        "child's matrix a multiple of 64 elements (16384 with double quantization), LoRA pairs split with them; elsewhere the "
+        "children's bases are requantized, the move measured and judged as approximate.",
         SplitExpertsArgs,
         plan_split,
         apply_split,

@@ -87,15 +87,18 @@ def _fill_experts(new, provenance, prefix, bases: dict[str, torch.Tensor], sourc
         provenance[prefix + f"{m}_lora_B"] = Provenance("reset", src_b)
 
 
-def quantize_layer(bases: dict[str, torch.Tensor], block: int, new_cfg: ModelConfig, key: int) -> tuple[dict[str, torch.Tensor], dict[str, Provenance]]:
+def quantize_layer(
+    bases: dict[str, torch.Tensor], block: int, new_cfg: ModelConfig, key: int, sources: dict[str, str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Provenance]]:
     """One MoE layer's NF4 bases and fresh adapters from its full-precision expert matrices
     `bases` (w_gate, w_up, w_down; this rank's experts), with their provenance. The adapters'
     draws come from a generator seeded by (key, block): the same whether the model is quantized
-    whole or one layer at a time (stages/streaming.py)."""
+    whole or one layer at a time (stages/streaming.py). sources: the parameter each matrix's
+    values come from (default: the layer's full-precision expert matrix; upcycle_moe: the dense FFN's)."""
     prefix = f"blocks.{block}.g.ffn.experts."
     new, provenance = {}, {}
     # Both adapters replace the full-precision matrix, whose values now live in the NF4 base.
-    sources = {m: (prefix + m, prefix + m) for m in MATRICES}
+    sources = {m: ((sources or {}).get(m, prefix + m),) * 2 for m in MATRICES}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sub_key(key, block))
         _fill_experts(new, provenance, prefix, bases, sources, new_cfg, bases[MATRICES[0]])

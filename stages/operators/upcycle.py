@@ -8,13 +8,19 @@ drop_ratio > 0 (Drop-Upcycling, Nakamura et al. 2025): every expert redraws that
 neurons (gate/up rows and down columns from N(mean, std) of the dense matrix), so the experts start
 diverse; the operator is then approximate. Redrawn elements start with fresh optimizer state and
 their own step count; a kept element's S is the number of experts that kept it.
+
+Into a model whose MoE layers are NF4 + LoRA already (quantize_experts ran), the new layers'
+experts take the same format, as quantize_experts would have made them: each copy of the dense
+FFN quantized on its own, its adapters fresh with B = 0 ('reset' in place of the dense matrix).
+The function then changes by the quantization error, which is measured and noted, so the
+transition judges the operator as approximate, saying why (drop_ratio must be 0 there: a redrawn
+neuron of a frozen base would stay random).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
-
 
 import torch
 
@@ -23,7 +29,9 @@ from growtrain.model import GrowLM
 from growtrain.model.moe import Router
 from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
-from growtrain.stages.sharding import local_range
+from growtrain.model.nf4 import MATRICES, dequantize_stack, state_stack, stored_layout
+from growtrain.stages import sharding
+from growtrain.stages.sharding import draw_key, local_range
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,21 @@ def plan(cfg: ModelConfig, args: UpcycleArgs) -> ModelConfig:
         balance_bias_rate=args.balance_bias_rate,
         router_init_std=args.router_init_std,
     )
+    if cfg.moe is not None and cfg.moe.expert_format == "nf4" and replace(cfg.moe, expert_format="full", double_quant=moe.double_quant, lora=moe.lora) == moe:
+        # The new layers join NF4 ones: their expert copies are quantized like the others' (_nf4_experts).
+        if args.drop_ratio > 0:
+            raise GrowthPlanError(
+                f"upcycle_moe: drop_ratio {args.drop_ratio:g} into a model whose experts are NF4 would redraw neurons of frozen "
+                "bases, which would stay random for good (only their rank-r adapters train); set drop_ratio: 0 here, or upcycle "
+                "before quantize_experts"
+            )
+        moe = cfg.moe
     if cfg.moe is not None and cfg.moe != moe:
-        raise GrowthPlanError("upcycle_moe: the model already has MoE layers with other settings; upcycle with the same settings")
+        raise GrowthPlanError(
+            "upcycle_moe: the model already has MoE layers with other settings; upcycle with the same settings (num_experts "
+            f"{cfg.moe.num_experts}, top_k {cfg.moe.top_k}, expert_hidden {cfg.moe.expert_hidden} = ffn_hidden, score_func, loss "
+            "coefficients, balance_bias_rate and router_init_std as they are now)"
+        )
     return cfg.with_changes(moe=moe, moe_layers=tuple(sorted(set(cfg.moe_layers) | set(targets))))
 
 
@@ -93,9 +114,13 @@ def apply(model, args: UpcycleArgs) -> Growth:
     lo, hi = local_range(E)  # the experts this rank builds (all of them in one process)
     # Drawn for every expert on every rank, then cut to this rank's: the same at any EP size.
     redraw = {b: pick_neurons(E, old_cfg.ffn_hidden, args.drop_ratio) for b in targets} if args.drop_ratio > 0 else {}
+    nf4 = new_cfg.moe.expert_format == "nf4"
     for name in list(new):
         parts = name.split(".")
         block = int(parts[1]) if parts[0] == "blocks" else None
+        if nf4 and block in routers and parts[2:5] == ["g", "ffn", "experts"]:
+            del new[name]  # _nf4_experts below
+            continue
         if block in routers and parts[2] == "g" and parts[3] == "ffn" and parts[4] == "router":
             new[name] = routers[block].state_dict()[parts[5]].detach()
             if name.endswith("router.weight"):
@@ -115,7 +140,44 @@ def apply(model, args: UpcycleArgs) -> Growth:
             provenance[name] = Provenance("copy", source, expand, copies=along_hidden(copies, hidden_dim), fresh=fresh)
             continue
         carry(name, old[name], params, new, provenance)
-    return Growth(materialize(new_cfg, new), provenance)
+    notes = _nf4_experts(old, targets, new_cfg, hi - lo, new, provenance) if nf4 else []
+    return Growth(materialize(new_cfg, new), provenance, notes=notes)
+
+
+def _nf4_experts(old: dict, targets: list[int], cfg: ModelConfig, local: int, new: dict, provenance: dict) -> list[str]:
+    """The new layers' experts in a model whose experts are NF4 + LoRA: `local` copies of each dense
+    FFN quantized as quantize_experts does (each expert on its own, adapters drawn per expert with
+    B = 0: 'reset' parameters in place of the dense matrix, whose values the bases now hold). The
+    quantization changes the function: the move is measured (relative to the largest weight, over
+    every rank's experts) and returned as notes, so the transition judges the operator as
+    approximate, saying why."""
+    # Imported here: at the top it would register quantize_experts before upcycle_moe (the order of `growtrain schema`).
+    from growtrain.stages.operators.quantize import quantize_layer
+
+    key = draw_key()
+    notes = []
+    for b in targets:
+        sources = {m: f"blocks.{b}.g.ffn.{m}.weight" for m in MATRICES}
+        bases = {m: old[src].unsqueeze(0).expand(local, *old[src].shape).contiguous() for m, src in sources.items()}
+        tensors, prov = quantize_layer(bases, b, cfg, key, sources)
+        new.update(tensors)
+        provenance.update(prov)
+        prefix = f"blocks.{b}.g.ffn.experts."
+        for m in MATRICES:
+            moved = 0.0
+            if local:
+                w = stored_layout(m, bases[m][:1]).float()
+                got = dequantize_stack(state_stack(m, {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, cfg.moe.expert_hidden, cfg.d_model), [0])
+                largest = float(w.abs().max())
+                moved = float((got.to(w.device) - w).abs().max()) / (largest or 1.0)
+            moved = sharding.max_ranks(moved)[0]
+            if moved:
+                notes.append(
+                    f"upcycle_moe: {prefix}{m}: the experts' copies of the dense FFN were quantized to NF4 like the model's other "
+                    f"experts, moving their weights by up to {moved:.1e} of the largest (exact with full-precision experts: upcycle "
+                    "before quantize_experts)"
+                )
+    return notes
 
 
 register(
@@ -123,7 +185,8 @@ register(
         "upcycle_moe",
         True,
         "Dense FFN → MoE whose experts are exact copies (renormalized gates sum to 1); moments m/E, v/E². "
-        "With drop_ratio > 0 (drop-upcycling) approximate.",
+        "With drop_ratio > 0 (drop-upcycling) approximate. Into a model whose experts are NF4: the copies quantized like "
+        "theirs with fresh adapters, the quantization error measured and judged as approximate.",
         UpcycleArgs,
         plan,
         apply,
