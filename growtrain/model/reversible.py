@@ -34,7 +34,6 @@ Legend: B batch, T sequence (or tokens), D d_model, K top-k.
 
 from __future__ import annotations
 
-import functools
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
@@ -225,26 +224,12 @@ def stack_plan(blocks: nn.ModuleList) -> tuple[list[nn.Parameter], list[tuple[li
     return params, plan
 
 
+@torch.compiler.disable
 def reversible_blocks(
     blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats]]:
     """Run the coupling blocks with the reversible backward. Same results as `plain_blocks`; only
-    the final streams and the MoE routing are kept for the backward. Under torch.compile, run
-    eagerly through `torch.compiler.disable` (the module docstring); the decorator is applied
-    only then, because it imports torch._dynamo, ~0.9 s of every process's start otherwise."""
-    if torch.compiler.is_compiling():
-        return _not_compiled()(blocks, x1, x2)
-    return _reversible_blocks(blocks, x1, x2)
-
-
-@functools.cache
-def _not_compiled() -> Callable:
-    return torch.compiler.disable(_reversible_blocks)
-
-
-def _reversible_blocks(
-    blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats]]:
+    the final streams and the MoE routing are kept for the backward."""
     if len(blocks) == 0:
         return x1, x2, []
     check_no_dropout(blocks)
