@@ -140,3 +140,14 @@ def test_the_shipped_recipes_are_their_per_stage_versions_under_one_run_wide_wsd
     per_stage = load_recipe(REPO / "benchmarks" / "recipes" / f"{name}-per-stage.yaml")
     assert not per_stage.schedule.run_wide
     assert study.run_wide(per_stage, "wsd") == load_recipe(REPO / "recipes" / f"{name}.yaml")
+
+
+def test_the_half_lr_small_recipe_is_the_shipped_small_recipe_with_only_its_lr_halved():
+    """So the README's half-LR study compares one change: benchmarks/recipes/small-lr1.5e-3.yaml."""
+    from dataclasses import replace
+
+    from growtrain.recipe import load_recipe
+
+    shipped, half = load_recipe(REPO / "recipes" / "small.yaml"), load_recipe(REPO / "benchmarks" / "recipes" / "small-lr1.5e-3.yaml")
+    assert half.optimizer.lr == shipped.optimizer.lr / 2
+    assert replace(half, name=shipped.name, optimizer=shipped.optimizer) == shipped
