@@ -358,14 +358,15 @@ def _nf4_children(stack: NF4Stack, f: int, scale: float) -> tuple[NF4Stack, floa
     if not (pow2 and stack.double_quant and blocks_align):
         grown, moved = nf4_requantized(stack, target)
         return grown, moved, "for the children (dequantized, cut and quantized again)"
+    renested = "for the children by double-quantizing their block scales again (the 4-bit codes kept)"
     if not stack.num_experts:  # no expert here (an AF layout's attention rank): the format alone
-        return quantize_stack(target, stack.double_quant), 0.0, "for the children by double-quantizing their block scales again"
+        return quantize_stack(target, stack.double_quant), 0.0, renested
     sliced = [nf4_slice_rows(stack, a, b) if not nf4_row_slice_problem(stack, a, b) else nf4_renest_rows(stack, a, b) for a, b in cuts]
     children = nf4_scale(nf4_cat_experts(sliced), scale)
     got = dequantize_stack(children).to(target.device)
     largest = float(target.abs().max())
     moved = float((got - target).abs().max()) / largest if largest else float((got - target).abs().max())
-    return children, moved, "for the children by double-quantizing their block scales again (the 4-bit codes kept)"
+    return children, moved, renested
 
 
 # ---------------------------------------------------------------- clone_experts

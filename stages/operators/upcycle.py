@@ -27,10 +27,10 @@ import torch
 from growtrain.model.config import ModelConfig, MoEConfig
 from growtrain.model import GrowLM
 from growtrain.model.moe import Router
-from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
-from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 from growtrain.model.nf4 import MATRICES, dequantize_stack, state_stack, stored_layout
 from growtrain.stages import sharding
+from growtrain.stages.common import carry, along_hidden, materialize, pick_neurons, redraw_neurons, sibling_copies
+from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
 from growtrain.stages.sharding import draw_key, local_range
 
 
