@@ -30,7 +30,7 @@ from growtrain.model.config import ExpertLoRAConfig
 from growtrain.model.nf4 import MATRICES, NF4Experts, dequantize_stack
 from growtrain.optim import AdamW
 from growtrain.optim_registry import build_optimizer
-from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, RecipeError, recipe_from_dict
+from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, recipe_from_dict
 from growtrain.stages import GrowthCheckFailed, GrowthPlanError, apply_growth, get_operator
 from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs
 from growtrain.stages.transition import map_optimizer_state
@@ -211,7 +211,7 @@ def test_an_nf4_split_the_codes_cannot_carry_requantizes_what_it_must_and_is_jud
     assert growth.notes and all(how in n and needed in n and "split before quantize_experts" in n for n in growth.notes), growth.notes
     # The children's bases against the parent's rows (x factor for the down-projection): within
     # the measured move, which the note states, and that move is what requantizing costs.
-    E, rows = model.config.moe.num_experts, hidden // factor
+    rows = hidden // factor
     for b in (0, 1):
         old_x, new_x = model.blocks[b].g.ffn.experts, growth.model.blocks[b].g.ffn.experts
         for m in MATRICES:
