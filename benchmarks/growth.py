@@ -13,6 +13,7 @@ final held-out loss, as a ratio of the scratch run's FLOPs (< 1: growing got the
     python benchmarks/growth.py --recipe recipes/small.yaml --plot study.png
     python benchmarks/growth.py --schedules wsd,cosine       # also grow under each run-wide schedule
     python benchmarks/growth.py --seeds 0 --grow-at 0.25,0.5,0.75   # also: when to grow (first seed)
+    python benchmarks/growth.py --fresh warmup_steps=50     # every grown arm with that `fresh` section
     python benchmarks/growth.py --json     # one JSON line (keys below)
     python benchmarks/growth.py --seeds 0 --scale 0.2        # quick: one seed, every stage's steps x0.2
 
@@ -22,7 +23,10 @@ start, the last stage's floor at its end, no re-warm at any growth; an arm equal
 written is not run twice). They train the same steps at the same shapes, so one scratch and one
 dense arm per seed serve them all. `--grow-at F,...` trains, on the first seed, the recipe with its
 seed stage lasting F of the counted FLOPs and the later stages' steps scaled together to keep the
-total (to rounding), one run per point.
+total (to rounding), one run per point. `--fresh KEY=VALUE,...` sets the `fresh` section
+(recipe.FreshConfig: what the elements growth creates fresh get) of every growing stage of every
+grown arm; the table then names the recipe NAME+fresh. The scratch and dense arms do not grow and
+are the same with or without it.
 
 Beside the final losses and the FLOPs ratio (per seed, their mean, and their max), the study
 reports for every growth the held-out loss at the previous stage's end and the worst held-out loss
@@ -65,7 +69,7 @@ from pathlib import Path
 
 from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta
 from growtrain.model.config import ModelConfig
-from growtrain.recipe import Recipe, RunScheduleConfig, ScheduleConfig, StageConfig, load_recipe
+from growtrain.recipe import Recipe, RecipeError, RunScheduleConfig, ScheduleConfig, StageConfig, load_recipe, recipe_from_dict, to_plain
 from growtrain.tracking import MetricsFile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,6 +138,28 @@ def run_wide(recipe: Recipe, kind: str) -> Recipe:
         warmup, floor = first.warmup_steps, last.min_lr_ratio
     stages = tuple(replace(s, schedule=ScheduleConfig()) for s in recipe.stages)
     return replace(recipe, stages=stages, schedule=RunScheduleConfig(kind=kind, warmup_steps=warmup, min_lr_ratio=floor))
+
+
+def with_fresh(recipe: Recipe, spec: str) -> Recipe:
+    """`recipe` with every growing stage's `fresh` section set from `spec` ("warmup_steps=50,lr_mult=0.5",
+    keys of recipe.FreshConfig), validated as the recipe would be; named NAME+fresh in the table."""
+    fields = {}
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise RecipeError([f"--fresh: '{item}' is not KEY=VALUE"], "--fresh")
+        fields[key.strip()] = yaml_value(value.strip())
+    raw = to_plain(recipe)
+    for stage in raw["stages"]:
+        if stage.get("grow"):
+            stage["fresh"] = {**stage.get("fresh", {}), **fields}
+    return replace(recipe_from_dict(raw), name=f"{recipe.name}+fresh")
+
+
+def yaml_value(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
 
 
 def grown_at(recipe: Recipe, fraction: float, vocab_size: int) -> Recipe:
@@ -382,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default="", metavar="FILE.png", help="also draw the first seed's three arms with `growtrain plot`")
     parser.add_argument("--schedules", default="", help="also grow under these run-wide schedules (comma-separated: wsd, cosine), each its own arm")
     parser.add_argument("--grow-at", default="", help="on the first seed, also train the seed stage for these fractions of the budget before growing (e.g. 0.25,0.5,0.75)")
+    parser.add_argument(
+        "--fresh",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="train every grown arm with this `fresh` section on each growing stage (e.g. warmup_steps=50,lr_mult=0.5; recipe reference: stages.N.fresh)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     args = parser.parse_args(argv)
     try:
@@ -400,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 < f < 1 for f in grow_at):
         parser.error(f"--grow-at fractions must lie strictly between 0 and 1, got {args.grow_at!r}")
     recipe = quiet_recipe(scaled(load_recipe(args.recipe), args.scale), args.threads)
+    if args.fresh:
+        try:
+            recipe = with_fresh(recipe, args.fresh)
+        except RecipeError as exc:
+            parser.error(str(exc))
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     # The trainer's console lines go to stderr, so that stdout holds only the result.
     with tempfile.TemporaryDirectory() as tmp:

@@ -333,7 +333,8 @@ def cmd_validate(args) -> int:
     for i, (stage, shape) in enumerate(zip(recipe.stages, shapes)):
         moe = f", MoE {shape.moe.num_experts} experts top-{shape.moe.top_k} in {len(shape.moe_layers)} layer(s)" if shape.moe else ""
         lr = f"lr {recipe.lr(i, 0):.2e} -> {recipe.lr(i, stage.steps - 1):.2e}"
-        print(f"  {stage.name}: {shape.n_layers} blocks, d_model {shape.d_model}{moe}; {stage.steps} steps, {lr}")
+        fresh = f"; fresh: {stage.fresh.describe()}" if not stage.fresh.is_default else ""
+        print(f"  {stage.name}: {shape.n_layers} blocks, d_model {shape.d_model}{moe}; {stage.steps} steps, {lr}{fresh}")
     return 0
 
 

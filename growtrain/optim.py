@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -166,6 +167,32 @@ class AdamW:
     @torch.no_grad()
     def step(self, lr: float) -> None:
         adamw_step([(p, self.state[n]) for n, p in self.params.items() if p.grad is not None], lr, self.cfg)
+
+    @contextmanager
+    def ramped(self, since: int, factor: float):
+        """Within it, the LR of every element whose step count is at most `since` is × `factor`:
+        `since` steps into a stage, those are the elements that took no step before the stage
+        (what its growth created fresh, or everything after `fresh.state: fresh`), whose LR the
+        recipe's `stages.N.fresh.warmup_steps` ramps. The rule reads the step counts alone, so a
+        resumed run ramps the same elements. The multipliers are restored on the way out. No host
+        sync: a per-element count gives a per-element multiplier (those tensors already take the
+        element-by-element update), an int count a float one."""
+        saved = {}
+        stored = self._stored()
+        for name in self.params:
+            s = stored[name]
+            if isinstance(s.step, torch.Tensor):
+                saved[name] = s.lr_mult
+                s.lr_mult = torch.where(s.step <= since, s.lr_mult * factor, s.lr_mult).to(torch.float32)
+            elif s.step <= since:
+                saved[name] = s.lr_mult
+                s.lr_mult = s.lr_mult * factor
+        try:
+            yield
+        finally:
+            stored = self._stored()  # a step may have replaced an entry (the 8-bit optimizer's repacking)
+            for name, mult in saved.items():
+                stored[name].lr_mult = mult
 
     def state_dict(self) -> dict:
         return {

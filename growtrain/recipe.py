@@ -110,6 +110,65 @@ class GrowthStep:
 
 
 @dataclass(frozen=True)
+class FreshConfig:
+    """What the elements a stage's growth creates fresh get: their LR, a warm-up, mapped or reset state.
+
+    Fresh: new parameters (a deepen's new blocks, an upcycled layer's router, LoRA adapters), new
+    rows or columns of widened matrices, the neurons a drop-upcycle or clone redraws. Copied and
+    carried elements keep the optimizer state growth mapped for them unless `state: fresh`."""
+
+    lr_mult: float = field(
+        default=1.0,
+        metadata={
+            "doc": "LR multiplier of the elements this stage's growth creates fresh, kept for the rest of the run (later "
+            "growth carries it like any multiplier); 1: the LR of the others.",
+            "gt": 0.0,
+        },
+    )
+    warmup_steps: int = field(
+        default=0,
+        metadata={
+            "doc": "Over the stage's first N steps, the LR of every element that has taken no step before this stage "
+            "ramps linearly, 1/N of it on the first step, all of it from step N on; the others train at the run's LR "
+            "throughout. 0: no ramp.",
+            "ge": 0,
+        },
+    )
+    state: Literal["mapped", "fresh"] = field(
+        default="mapped",
+        metadata={
+            "doc": "mapped: growth maps the optimizer state of the elements it copies or carries (DESIGN.md §7: moments "
+            "/S and /S², step counts kept); fresh: the whole optimizer state is reset at the growth (moments zero, step "
+            "counts 0; the LR, weight-decay, epsilon and clip-norm multipliers of the grown parametrization are kept), so "
+            "every element is fresh and `warmup_steps` ramps all of them."
+        },
+    )
+
+    @property
+    def is_default(self) -> bool:
+        return self == FreshConfig()
+
+    def describe(self) -> str:
+        """One line for the console: what this section does at the stage's growth."""
+        parts = []
+        if self.state == "fresh":
+            parts.append("optimizer state reset (moments zero, step counts 0, multipliers kept)")
+        if self.lr_mult != 1.0:
+            parts.append(f"the elements growth created fresh train at {self.lr_mult:g} x the LR")
+        if self.warmup_steps:
+            who = "every element's LR" if self.state == "fresh" else "their LR" if self.lr_mult != 1.0 else "the LR of the elements growth created fresh"
+            parts.append(f"{who} ramped over the stage's first {self.warmup_steps} step(s)")
+        return "; ".join(parts)
+
+    def ramp(self, step: int) -> float | None:
+        """The LR factor of the stage's fresh elements at its optimizer step `step` (0-based); None
+        once the ramp is over (or without one)."""
+        if step >= self.warmup_steps:
+            return None
+        return (step + 1) / self.warmup_steps
+
+
+@dataclass(frozen=True)
 class StageConfig:
     """One training stage: the growth applied at its start, then `steps` optimizer steps."""
 
@@ -130,6 +189,10 @@ class StageConfig:
     grow: tuple[GrowthStep, ...] = field(
         default=(),
         metadata={"doc": "Growth operators applied, in order, before the stage trains: a list of {op: NAME, ...args}."},
+    )
+    fresh: FreshConfig = field(
+        default_factory=FreshConfig,
+        metadata={"doc": "What the elements this stage's growth creates fresh get (LR multiplier, warm-up, mapped or fresh optimizer state)."},
     )
 
     def lr(self, step: int, base_lr: float) -> float:
@@ -876,6 +939,10 @@ def _check_recipe(model: ModelConfig | None, stages: list[StageConfig | None] | 
                     f"wsd: the final decay ({decay} steps) overlaps the {stage.schedule.warmup_steps} warmup steps of this "
                     f"{stage.steps}-step stage; lower decay_fraction or warmup_steps",
                 )
+        if not stage.fresh.is_default and not stage.grow:
+            ctx.error(("stages", i, "fresh"), "this stage grows nothing, so nothing is fresh: move `fresh` to a stage with `grow`, or drop it")
+        elif stage.fresh.warmup_steps > stage.steps:
+            ctx.error(("stages", i, "fresh", "warmup_steps"), f"{stage.fresh.warmup_steps} warmup steps exceed the stage's {stage.steps} steps")
     if model is None or model_problems(model):
         return
     # Plan up to the first stage whose growth list is invalid: later shapes are unknown.

@@ -760,6 +760,7 @@ class Run:
                     optimizer_cfg=self.recipe.optimizer,
                     lr=self.recipe.lr(pos.stage, 0),
                     log=self.console.write,
+                    fresh=stage.fresh,
                 )
         except GrowthCheckFailed as exc:
             # Nothing of the failed growth is checkpointed; its report is kept for the post-mortem.
@@ -792,6 +793,8 @@ class Run:
                 + (f", values checked ({m['values']['elements']:,} copied elements, {m['values']['seconds']:.2f}s)" if "values" in m else "")
                 + " — passed"
             )
+        if not stage.fresh.is_default:
+            self.console.write(f"growth [{stage.name}]: {stage.fresh.describe()}")
         self.tracker.log_transition(stage.name, outcome.records, pos.global_step)
         router_kl = {
             f"growth/{stage.name}/{r['index']}_{r['operator']}/router_kl/block{b}": v
@@ -902,8 +905,10 @@ class Run:
             if bad_update > 0:
                 self._raise_bad_update(pos.global_step, stage)
             finite = math.isfinite(ce_sum) and math.isfinite(aux_sum) and math.isfinite(grad_norm)
+            ramp = stage.fresh.ramp(pos.stage_step) if stage.grow else None  # the LR factor of the growth's fresh elements
             if finite:
-                self.optimizer.step(lr)
+                with self.optimizer.ramped(pos.stage_step, ramp) if ramp is not None else contextlib.nullcontext():
+                    self.optimizer.step(lr)
                 self.dist.broadcast_dense(self.model)
                 # Read with the next step's numbers (or by the save below): no extra sync here.
                 self._bad_update = self._nonfinite_count()
@@ -940,6 +945,8 @@ class Run:
                 "tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
                 "skipped": not finite,
             }
+            if ramp is not None:
+                record["fresh_lr_factor"] = ramp
             if waits:  # AF layout: what the planner's pipeline model predicts (README: AF mode)
                 record["af/attention_wait_fraction"], record["af/expert_idle_fraction"], attention_busy, expert_busy = waits
                 record["af/passes_s"] = passes_s

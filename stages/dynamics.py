@@ -25,9 +25,10 @@ no logit at all.
   earlier ones moved (the state is not advanced: no copy of it is held). Experts no probe token
   reached are not judged (counted).
 - Fresh state: every element growth introduced fresh takes the run's optimizer step from the
-  grown state on its probe gradient, which from fresh state is exactly lr · g / (|g| + eps) besides
-  the weight decay (fresh_first_steps): a copied step count, kept moments or multipliers of new
-  elements inside copied tensors show there and nowhere else (they are held out of the dynamics).
+  grown state on its probe gradient, which from fresh state is exactly lr · m · g / (|g| + eps)
+  besides the weight decay, m the recipe's `fresh.lr_mult` (fresh_first_steps): a copied step
+  count, kept moments or multipliers of new elements inside copied tensors, or a dropped `fresh.lr_mult`,
+  show there and nowhere else (they are held out of the dynamics).
 
 Cost on the probe batch, per operator: the old model 1 forward+backward and 1 forward (2 of each
 for an exact operator: its twin); the new one 1 forward+backward and 1 forward (dynamics), and 1
@@ -524,7 +525,7 @@ def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool,
     return metrics, problems
 
 
-def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr: float, probe) -> tuple[dict, list[str]]:
+def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr: float, probe, fresh_lr_mult: float = 1.0) -> tuple[dict, list[str]]:
     """Dead new elements per parameter: zero gradient on the probe now and after each of
     TRAINABILITY_STEPS steps of the others (each from the carried state, see _scratch_step). Holds
     the gradients once, and the weights once more while it steps."""
@@ -546,7 +547,7 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
             return loads
 
         loads = see_gradients()
-        first = fresh_first_steps(params, state, masks, opt_cfg, lr)
+        first = fresh_first_steps(params, state, masks, opt_cfg, lr, fresh_lr_mult)
         idle = {b: load == 0 for b, load in loads.items()}  # [E] over all experts (every rank's, on shards)
         stepped = 0
         # The later steps are collectives on expert shards: one verdict for every rank.
@@ -591,7 +592,7 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
                 + (f" (block {block.group(1)})" if block else "")
                 + f" ({r['dead_rows']} row(s)) get no gradient on the probe, neither now nor after {stepped} step(s) of the others: they cannot train"
             )
-    first_report, first_problems = _first_steps_over_ranks(first, lr)
+    first_report, first_problems = _first_steps_over_ranks(first, lr * fresh_lr_mult)
     metrics = {"per_parameter": report, "dead": sum(r["dead"] for r in report.values()), "unreached_experts": unreached, "steps": stepped}
     metrics["fresh_first_step"] = first_report
     metrics["seconds"] = time.perf_counter() - t0
@@ -604,12 +605,13 @@ def trainability_check(model, state, masks: dict[str, torch.Tensor], opt_cfg, lr
 FRESH_STEP_TOL = 1e-2
 
 
-def fresh_first_steps(params: dict, state: dict, masks: dict[str, torch.Tensor], opt_cfg, lr: float) -> dict[str, tuple[int, float]]:
+def fresh_first_steps(params: dict, state: dict, masks: dict[str, torch.Tensor], opt_cfg, lr: float, lr_mult: float = 1.0) -> dict[str, tuple[int, float]]:
     """The first update of every element growth introduced fresh (`masks`), taken by the run's
     optimizer from the grown state on the gradients in .grad, against what fresh state gives: step
-    1 of Adam makes m̂ = g and v̂ = g², so the element moves by lr · g / (|g| + eps) besides its
-    weight decay, whatever its gradient's scale (clipping included). name -> (elements judged,
-    worst deviation in units of the LR less the weight's rounding). Elements with no gradient
+    1 of Adam makes m̂ = g and v̂ = g², so the element moves by lr · lr_mult · g / (|g| + eps)
+    besides its weight decay, whatever its gradient's scale (clipping included); lr_mult is the
+    multiplier fresh elements get (the recipe's `fresh.lr_mult`). name -> (elements judged, worst
+    deviation in units of that LR less the weight's rounding). Elements with no gradient
     are not judged; one tensor's state copy and weights at a time. On expert shards each rank judges
     the entries it holds state for."""
     out = {}
@@ -621,11 +623,11 @@ def fresh_first_steps(params: dict, state: dict, masks: dict[str, torch.Tensor],
         if not bool(judged.any()):
             continue
         s = copy.deepcopy(state[name])
-        decay = lr * opt_cfg.weight_decay * (s.wd_mult.to(p.device) if isinstance(s.wd_mult, torch.Tensor) else s.wd_mult)
+        decay = lr * lr_mult * opt_cfg.weight_decay * (s.wd_mult.to(p.device) if isinstance(s.wd_mult, torch.Tensor) else s.wd_mult)
         before = p.detach().clone()
         try:
             _optimizer({name: p}, {name: s}, opt_cfg).step(lr)
-            off = (before * (1 - decay) - p.detach()).float().div_(lr)  # the step's Adam part, in LRs
+            off = (before * (1 - decay) - p.detach()).float().div_(lr * lr_mult)  # the step's Adam part, in the fresh LRs
         finally:
             with torch.no_grad():
                 p.copy_(before)
@@ -635,12 +637,13 @@ def fresh_first_steps(params: dict, state: dict, masks: dict[str, torch.Tensor],
         off.sub_(torch.div(g, adam, out=adam)).abs_()
         del adam
         ulp = torch.nextafter(before, _scalar(float("inf"), before)).sub_(before).abs_().float()
-        off.sub_(ulp.mul_(4 / lr)).clamp_min_(0)  # less 4 ulps of the weight
+        off.sub_(ulp.mul_(4 / (lr * lr_mult))).clamp_min_(0)  # less 4 ulps of the weight
         out[name] = (int(judged.sum()), float(off[judged].max()))
     return out
 
 
 def _first_steps_over_ranks(first: dict, lr: float) -> tuple[dict, list[str]]:
+    """lr: the fresh elements' LR (the step's LR × the fresh LR multiplier)."""
     merged: dict[str, tuple[int, float]] = {}
     for part in sharding.gather_objects(first):
         for name, (n, worst) in part.items():
@@ -648,7 +651,7 @@ def _first_steps_over_ranks(first: dict, lr: float) -> tuple[dict, list[str]]:
             merged[name] = (m[0] + n, max(m[1], worst))
     problems = [
         f"fresh state: the first step of {n} element(s) growth introduced fresh in {name} is off Adam's first step "
-        f"lr · g/(|g| + eps) by up to {worst:.3g} x lr (> {FRESH_STEP_TOL:g}, lr {lr:.3g}): their optimizer state is not fresh "
+        f"lr · g/(|g| + eps) by up to {worst:.3g} x lr (> {FRESH_STEP_TOL:g}, lr {lr:.3g} with fresh.lr_mult): their optimizer state is not fresh "
         "(a copied step count, kept moments or multipliers)"
         for name, (n, worst) in sorted(merged.items())
         if worst > FRESH_STEP_TOL

@@ -4,7 +4,7 @@ with the optimizer state, checking each application before the next stage may tr
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,10 +70,11 @@ def plan_stage_models(seed: ModelConfig, grows) -> list[ModelConfig]:
     return shapes
 
 
-def map_optimizer_state(old: dict[str, ParamState], model, provenance: dict[str, Provenance]) -> dict[str, ParamState]:
+def map_optimizer_state(old: dict[str, ParamState], model, provenance: dict[str, Provenance], fresh_lr_mult: float = 1.0) -> dict[str, ParamState]:
     """DESIGN.md §7: carried state stays; a β-scaled copy among copies summing to S gets m/S, v/S²,
     LR ×β, weight decay ×1/β, epsilon ×1/S, clip-norm weight ×S·β and the same step count; new
-    parameters, and the new elements a copy marks fresh, start fresh with their own step count.
+    parameters, and the new elements a copy marks fresh, start fresh with their own step count and
+    the LR multiplier `fresh_lr_mult` (the recipe's `stages.N.fresh.lr_mult`).
 
     On expert shards (stages/sharding.py) `old` is this rank's share, as training keeps it: its
     expert slices and the dense entries it owns (ZeRO-1); so is the result, by the grown model's
@@ -96,13 +97,29 @@ def map_optimizer_state(old: dict[str, ParamState], model, provenance: dict[str,
             if prov.kind == "carried":
                 new[name] = source
             elif is_expert_tensor(name):
-                new[name] = _mapped_copy(source, prov, p, decays(name, p))  # its collectives run on every rank
+                new[name] = _mapped_copy(source, prov, p, decays(name, p), fresh_lr_mult)  # its collectives run on every rank
             else:
                 with sharding.rank_local():  # on the owner alone: the replicated provenance needs no reduction
-                    new[name] = _mapped_copy(source, prov, p, decays(name, p))
+                    new[name] = _mapped_copy(source, prov, p, decays(name, p), fresh_lr_mult)
         elif keep:
-            new[name] = ParamState.fresh(p, decays(name, p))
+            new[name] = replace(ParamState.fresh(p, decays(name, p)), lr_mult=fresh_lr_mult)
     return new
+
+
+@torch.no_grad()
+def reset_optimizer_state(state) -> dict[str, ParamState]:
+    """`state` as if no element had taken a step (the recipe's `fresh.state: fresh`): moments zero,
+    step counts 0 (one int per tensor), the multipliers kept (they are the grown parametrization,
+    not history). Growing from it maps zeros to zeros, so the growth checks compare like with like.
+    The moments are zeroed where they are, not copied: a second copy at growth time would cost 8
+    bytes per trainable parameter (~125 GB at the 120B recipe's 15.7B). The trainer's state is
+    then the reset one too; a growth that fails stops the run, which resumes from its checkpoint."""
+    out = {}
+    for name, s in state.items():
+        s.exp_avg.zero_()
+        s.exp_avg_sq.zero_()
+        out[name] = replace(s, step=0)
+    return out
 
 
 def _source_state(old, source: str, holders, dst: int | None):
@@ -121,7 +138,7 @@ def _source_state(old, source: str, holders, dst: int | None):
     return moved if dst is None or rank == dst else None
 
 
-def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool) -> ParamState:
+def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool, fresh_lr_mult: float = 1.0) -> ParamState:
     # Operators build S, β and masks on the CPU; the state lives with the parameter. A compact
     # field (see compact_fields) is transformed at its full size, one tensor at a time.
     source_shape = tuple(s.exp_avg.shape)
@@ -145,7 +162,7 @@ def _mapped_copy(s: ParamState, prov: Provenance, p: torch.Tensor, decay: bool) 
             counts.masked_fill(fresh, 0),
             state.exp_avg.masked_fill(fresh, 0.0),
             state.exp_avg_sq.masked_fill(fresh, 0.0),
-            _blend(fresh, 1.0, state.lr_mult),
+            _blend(fresh, fresh_lr_mult, state.lr_mult),
             _blend(fresh, 1.0 if decay else 0.0, state.wd_mult),
             _blend(fresh, 1.0, state.eps_mult),
             _blend(fresh, 1.0, state.norm_mult),
@@ -212,19 +229,38 @@ class GrowthOutcome:
 
 
 def apply_growth(
-    model, optimizer_state, steps, *, seed, stage_index, stage_name, planned: ModelConfig, probe, invariance_cfg, optimizer_cfg=None, lr: float | None = None, log=None
+    model,
+    optimizer_state,
+    steps,
+    *,
+    seed,
+    stage_index,
+    stage_name,
+    planned: ModelConfig,
+    probe,
+    invariance_cfg,
+    optimizer_cfg=None,
+    lr: float | None = None,
+    log=None,
+    fresh=None,
 ) -> GrowthOutcome:
     """Apply `steps` in order; each is checked, and so is the whole transition (first model vs last,
     where several operators' approximations could add up); the first failure raises GrowthCheckFailed.
 
     optimizer_cfg / lr: the run's optimizer and the LR of the new stage's first step, for the
     dynamics check (stages/dynamics.py; defaults: OptimizerConfig() and its lr). log: a callable
-    told each streamed layer as it is done (stages/streaming.py), or None."""
+    told each streamed layer as it is done (stages/streaming.py), or None. fresh: the stage's
+    `fresh` section (recipe.FreshConfig; None: the defaults): the LR multiplier the mapping gives
+    fresh elements, which the fresh-state check expects, and with `state: fresh` the optimizer
+    state reset before the first operator."""
+    fresh_lr_mult = fresh.lr_mult if fresh is not None else 1.0
+    if fresh is not None and fresh.state == "fresh":
+        optimizer_state = reset_optimizer_state(optimizer_state)
     probe = sharding.probe_share(probe)  # on expert shards each rank checks on its rows of the probe
     inputs_BT, targets_BT = probe
     records = []
     start_model, start_state = model, optimizer_state
-    dyn = _Dynamics.of(invariance_cfg, optimizer_cfg, lr, model)
+    dyn = _Dynamics.of(invariance_cfg, optimizer_cfg, lr, model, fresh_lr_mult)
     chain = _Chain.identity(model)
     after = start = run_probe(model, inputs_BT)
     check_values = getattr(invariance_cfg, "values", True)
@@ -280,7 +316,7 @@ def apply_growth(
         new_state = None
         if not structure:
             try:
-                new_state = map_optimizer_state(optimizer_state, new_model, growth.provenance)
+                new_state = map_optimizer_state(optimizer_state, new_model, growth.provenance, fresh_lr_mult)
             except Exception as exc:  # a broken provenance must stop the run with a report, not a traceback
                 structure.append(f"optimizer state could not be mapped: {type(exc).__name__}: {exc}")
             else:
@@ -351,14 +387,15 @@ class _Dynamics:
     start_held: set
     approximate: list
     regrouped: set  # start-model parameters some operator copied into another shape (dynamics.twin_step)
+    fresh_lr_mult: float = 1.0  # the LR multiplier the mapping gives fresh elements (their first step's expected size)
 
     @classmethod
-    def of(cls, invariance_cfg, optimizer_cfg, lr, model) -> "_Dynamics":
+    def of(cls, invariance_cfg, optimizer_cfg, lr, model, fresh_lr_mult: float = 1.0) -> "_Dynamics":
         opt_cfg = optimizer_cfg if optimizer_cfg is not None else OptimizerConfig()
         # A warmup that starts at LR 0 would make the comparison vacuous: the base LR then.
         lr = lr if lr else opt_cfg.lr
         on = bool(getattr(invariance_cfg, "dynamics", True))
-        return cls(on, opt_cfg, lr, {}, {n: n for n, _ in model.named_parameters()}, set(), [], set())
+        return cls(on, opt_cfg, lr, {}, {n: n for n, _ in model.named_parameters()}, set(), [], set(), fresh_lr_mult)
 
     def check_operator(self, unit, exact, model, state, new_model, new_state, provenance, probe, cfg, metrics, inexact_here=()) -> list[str]:
         patterns, why = held_patterns([s.op for s in unit])
@@ -381,7 +418,7 @@ class _Dynamics:
         dyn, problems = dynamics_check(
             Side(model, state, held_old), Side(new_model, new_state, held_new), self.optimizer_cfg, self.lr, probe, exact, cfg, subset, provenance, regrouped
         )
-        trainability, dead = trainability_check(new_model, new_state, fresh, self.optimizer_cfg, self.lr, probe)
+        trainability, dead = trainability_check(new_model, new_state, fresh, self.optimizer_cfg, self.lr, probe, self.fresh_lr_mult)
         metrics.update(dynamics=dyn, trainability=trainability)
         # Carried along for the whole transition's check.
         self.start_held |= {self.origin[n] for n in held_old if self.origin.get(n)}

@@ -61,8 +61,8 @@ def wrap_mapped_copy(monkeypatch, change):
     """Break DESIGN.md §7's rule for every copied parameter: change(state, provenance) -> state."""
     original = transition._mapped_copy
 
-    def broken(s, prov, p, decay):
-        return change(original(s, prov, p, decay), prov)
+    def broken(s, prov, p, decay, *rest):
+        return change(original(s, prov, p, decay, *rest), prov)
 
     monkeypatch.setattr(transition, "_mapped_copy", broken)
 
@@ -116,8 +116,8 @@ def renamed_parameters_start_fresh(monkeypatch):
     """State looked up under the new name: a parameter carried under another name starts fresh."""
     original = transition.map_optimizer_state
 
-    def broken(old, model, provenance):
-        state = original(old, model, provenance)
+    def broken(old, model, provenance, *rest):
+        state = original(old, model, provenance, *rest)
         params = dict(model.named_parameters())
         for name, prov in provenance.items():
             if prov.kind == "carried" and prov.source != name and name in state:

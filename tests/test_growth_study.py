@@ -151,3 +151,36 @@ def test_the_half_lr_small_recipe_is_the_shipped_small_recipe_with_only_its_lr_h
     shipped, half = load_recipe(REPO / "recipes" / "small.yaml"), load_recipe(REPO / "benchmarks" / "recipes" / "small-lr1.5e-3.yaml")
     assert half.optimizer.lr == shipped.optimizer.lr / 2
     assert replace(half, name=shipped.name, optimizer=shipped.optimizer) == shipped
+
+
+def test_the_split_noise_tiny_recipe_is_the_shipped_tiny_recipe_with_only_router_noise_on_its_splits():
+    """So the README's split-noise study compares one change: benchmarks/recipes/tiny-split-noise.yaml."""
+    from dataclasses import replace
+
+    from growtrain.recipe import load_recipe
+
+    shipped, noisy = load_recipe(REPO / "recipes" / "tiny.yaml"), load_recipe(REPO / "benchmarks" / "recipes" / "tiny-split-noise.yaml")
+    splits = [(i, j) for i, st in enumerate(noisy.stages) for j, g in enumerate(st.grow) if g.op == "split_experts"]
+    assert len(splits) == 3 and all(noisy.stages[i].grow[j].args.router_noise == 0.05 for i, j in splits)
+    quiet = [
+        replace(st, grow=tuple(replace(g, args=replace(g.args, router_noise=0.0)) if g.op == "split_experts" else g for g in st.grow))
+        for st in noisy.stages
+    ]
+    assert replace(noisy, name=shipped.name, stages=tuple(quiet)) == shipped
+
+
+def test_fresh_sets_every_growing_stage_and_nothing_else_and_refuses_what_validate_refuses():
+    from dataclasses import replace
+
+    from growtrain.recipe import FreshConfig, RecipeError, recipe_from_dict
+
+    recipe = recipe_from_dict(MICRO)
+    fresh = study.with_fresh(recipe, "warmup_steps=3, lr_mult=0.5")
+    assert fresh.name == "micro+fresh"
+    assert [s.fresh for s in fresh.stages] == [FreshConfig(), FreshConfig(lr_mult=0.5, warmup_steps=3), FreshConfig(lr_mult=0.5, warmup_steps=3)]
+    assert replace(fresh, name=recipe.name, stages=recipe.stages) == recipe
+    assert [s.fresh for s in study.run_wide(fresh, "cosine").stages] == [s.fresh for s in fresh.stages]  # every grown arm keeps it
+    for bad, message in (("warmup_steps=7", "7 warmup steps exceed the stage's 6 steps"), ("warm=2", "unknown key 'warm'"), ("lr_mult", "not KEY=VALUE")):
+        with pytest.raises(RecipeError) as info:
+            study.with_fresh(recipe, bad)
+        assert message in str(info.value), str(info.value)

@@ -56,7 +56,14 @@ def same_state(a: ParamState, b: ParamState) -> bool:
     return all(eq(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(ParamState))
 
 
-@pytest.mark.parametrize("steps", [[CLONE, QUANTIZE], [GrowthStep("deepen", DeepenArgs()), SPLIT, CLONE, QUANTIZE]], ids=["clone_quantize", "deepen_split_clone_quantize"])
+NOISY_SPLIT = GrowthStep("split_experts", SplitExpertsArgs(router_noise=0.02))
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [[CLONE, QUANTIZE], [GrowthStep("deepen", DeepenArgs()), SPLIT, CLONE, QUANTIZE], [GrowthStep("deepen", DeepenArgs()), NOISY_SPLIT, SPLIT, QUANTIZE]],
+    ids=["clone_quantize", "deepen_split_clone_quantize", "deepen_noisy_split_split_quantize"],
+)
 def test_streamed_growth_gives_the_whole_model_paths_model_and_state_bit_for_bit(steps):
     streamed, whole = grow_both(steps)
     a, b = streamed.model.state_dict(), whole.model.state_dict()

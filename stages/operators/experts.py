@@ -27,7 +27,10 @@ all groups have one size g dividing top_k (e.g. two splits back to back, before 
 and fails once sizes mix, where a top-k can take part of a group. Which part is torch.topk's
 unspecified tie-break, which the children, f times as many ties laid out round-robin, cannot
 reproduce. `selection_tie_problems` finds such layers from the weights; apply_split attaches what
-it finds to the Growth as notes, which a failed invariance check reports.
+it finds to the Growth as notes, which a failed invariance check reports. With `router_noise` > 0
+the tie is broken at once: every child but the first gets noise on its router row (as a clone
+does), so siblings compete for tokens from the first step, and the split is approximate, checked
+by the recipe's bars (the noise's bound declared to the value check).
 
 clone_experts (E → mE, top_k fixed; approximate): every child starts as its parent's copy; all
 children but the first redraw a fraction of their neurons (drop-upcycling: gate/up rows and down
@@ -98,6 +101,15 @@ from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provena
 @dataclass(frozen=True)
 class SplitExpertsArgs:
     factor: int = field(default=2, metadata={"doc": "f: every expert's neurons are cut into f children; num_experts and top_k grow f-fold.", "ge": 2})
+    router_noise: float = field(
+        default=0.0,
+        metadata={
+            "doc": "Std of noise on the router rows of every child but the first, relative to the router weights' RMS: "
+            "siblings then differ in routing from the first step instead of being selected together until training "
+            "separates them. 0 (default): exact; > 0: approximate, checked against the recipe's thresholds.",
+            "ge": 0.0,
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -242,8 +254,9 @@ def _layer_tensors(model, block: int, new: dict, provenance: dict):
 def apply_split(model, args: SplitExpertsArgs) -> Growth:
     old_cfg, f = model.config, args.factor
     new_cfg = plan_split(old_cfg, args)
+    key = draw_key() if args.router_noise > 0 else None  # first, as stages/streaming.py draws it
     requantized: list[str] = []  # NF4 bases the codes could not be cut from (`_nf4_children`)
-    new, provenance = _grow_by_layer(model, args, lambda *a: split_layer(*a, notes=requantized), new_cfg, None)
+    new, provenance = _grow_by_layer(model, args, lambda *a: split_layer(*a, notes=requantized), new_cfg, key)
     parent = torch.arange(f * old_cfg.moe.num_experts) % old_cfg.moe.num_experts
     notes = [f"split_experts ×{f}: {p}" for p in selection_tie_problems(model)] + requantized
     return Growth(materialize(new_cfg, new), provenance, routers={b: parent for b in moe_blocks(new_cfg)}, notes=notes)
@@ -253,8 +266,9 @@ def split_layer(
     model, args: SplitExpertsArgs, block: int, key: int | None = None, notes: list[str] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Provenance]]:
     """One MoE layer's children (router rows, experts; a shared expert carried) and their
-    provenance; draws nothing (`key` unused: the signature of stages/streaming.LAYERWISE). NF4
-    bases that had to be requantized add their note (judged as approximate) to `notes`."""
+    provenance. With router_noise, the noise on the children's router rows comes from a generator
+    seeded by (key, block), as clone_layer's draws do; else nothing is drawn. NF4 bases that had to
+    be requantized add their note (judged as approximate) to `notes`."""
     old_cfg, f = model.config, args.factor
     E = old_cfg.moe.num_experts
     new, provenance = {}, {}
@@ -265,10 +279,16 @@ def split_layer(
         transform = _split_transform(what, f, E)
         beta = float(f) if what == "w_down" else 1.0
         new[name] = transform(w) * beta if beta != 1.0 else transform(w)
+        noisy, bound = None, 0.0
+        if what == "router.weight" and args.router_noise > 0:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(sub_key(key, block))
+                new[name], noisy, bound = _noisy_rows(w, new[name], E, args.router_noise)
         if what == "router.balance_bias":
             new[name] = new[name] * _bias_scale(old_cfg.moe, f)
         if name in params:
-            provenance[name] = Provenance("copy", name, transform, copies=1.0 if what in ("w_gate", "w_up") else float(f), beta=beta)
+            copies = 1.0 if what in ("w_gate", "w_up") else float(f)
+            provenance[name] = Provenance("copy", name, transform, copies=copies, beta=beta, perturbed=noisy, perturb_bound=bound)
     if is_nf4(old_cfg):
         found = _split_nf4(moe.experts, prefix + "experts.", f, E, new, provenance)
         if notes is not None:
@@ -419,13 +439,7 @@ def clone_layer(model, args: CloneExpertsArgs, block: int, key: int) -> tuple[di
                 grown = tile(w)
                 noisy, bound = None, 0.0
                 if what == "router.weight" and args.router_noise > 0:
-                    rms = w.double().pow(2).mean().sqrt().item()
-                    noise = torch.randn(grown.shape, dtype=torch.float64) * (args.router_noise * rms)
-                    noise[:E] = 0  # the first child keeps its parent's logits exactly
-                    grown = grown + noise.to(device=w.device, dtype=w.dtype)
-                    # N(0, std²) draws beyond 12 std: probability ~1e-32 (plus the sum's fp32 rounding).
-                    noisy = (~first).view(-1, *([1] * (grown.ndim - 1))).expand(grown.shape).to(grown.device)
-                    bound = 12.0 * args.router_noise * rms + 1e-6 * float(grown.abs().max())
+                    grown, noisy, bound = _noisy_rows(w, grown, E, args.router_noise)
                 if what == "router.balance_bias":
                     grown = grown * _bias_scale(old_cfg.moe, m)
                 new[name] = grown
@@ -442,6 +456,21 @@ def clone_layer(model, args: CloneExpertsArgs, block: int, key: int) -> tuple[di
     if nf4:
         _clone_nf4(moe.experts, prefix + "experts.", m, E, new, provenance)
     return new, provenance
+
+
+def _noisy_rows(w: torch.Tensor, grown: torch.Tensor, E: int, std: float):
+    """`grown` (a router's tiled rows, parent e's children at e, E + e, ...) with noise of `std`
+    × the RMS of the parent rows `w` on every row but the first child's, which keeps its parent's
+    logits exactly; with the mask of the noisy elements and the bound the value check holds them
+    to. Draws from the torch generator (the caller seeds it)."""
+    rms = w.double().pow(2).mean().sqrt().item()
+    noise = torch.randn(grown.shape, dtype=torch.float64) * (std * rms)
+    noise[:E] = 0
+    grown = grown + noise.to(device=w.device, dtype=w.dtype)
+    first = torch.arange(grown.shape[0]) < E
+    noisy = (~first).view(-1, *([1] * (grown.ndim - 1))).expand(grown.shape).to(grown.device)
+    # N(0, std²) draws beyond 12 std: probability ~1e-32 (plus the sum's fp32 rounding).
+    return grown, noisy, 12.0 * std * rms + 1e-6 * float(grown.abs().max())
 
 
 def _children(m: int, E: int):
@@ -476,10 +505,12 @@ register(
         "down-projections ×f (each child gets gate/f); exact unless the k-th and (k+1)-th router logits tie (as siblings of an earlier split do until trained apart: named in a failed check). Expert parameters "
         "unchanged (the router gains rows). NF4 experts: codes cut without requantizing where the factor is a power of two and each "
         "child's matrix a multiple of 64 elements (16384 with double quantization), LoRA pairs split with them; elsewhere the "
-        "children's bases are requantized, the move measured and judged as approximate.",
+        "children's bases are requantized, the move measured and judged as approximate. With router_noise > 0 every child but "
+        "the first gets noise on its router row (approximate), so that siblings are not selected together.",
         SplitExpertsArgs,
         plan_split,
         apply_split,
+        exact_if=lambda args: args.router_noise == 0,
         shards=True,
     )
 )
