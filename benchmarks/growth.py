@@ -67,6 +67,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import yaml
+
 from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta
 from growtrain.model.config import ModelConfig
 from growtrain.recipe import Recipe, RecipeError, RunScheduleConfig, ScheduleConfig, StageConfig, load_recipe, recipe_from_dict, to_plain
@@ -148,18 +150,12 @@ def with_fresh(recipe: Recipe, spec: str) -> Recipe:
         key, eq, value = item.partition("=")
         if not eq:
             raise RecipeError([f"--fresh: '{item}' is not KEY=VALUE"], "--fresh")
-        fields[key.strip()] = yaml_value(value.strip())
+        fields[key.strip()] = yaml.safe_load(value.strip())
     raw = to_plain(recipe)
     for stage in raw["stages"]:
         if stage.get("grow"):
             stage["fresh"] = {**stage.get("fresh", {}), **fields}
     return replace(recipe_from_dict(raw), name=f"{recipe.name}+fresh")
-
-
-def yaml_value(text: str):
-    import yaml
-
-    return yaml.safe_load(text)
 
 
 def grown_at(recipe: Recipe, fraction: float, vocab_size: int) -> Recipe:

@@ -156,7 +156,12 @@ class FreshConfig:
         if self.lr_mult != 1.0:
             parts.append(f"the elements growth created fresh train at {self.lr_mult:g} x the LR")
         if self.warmup_steps:
-            who = "every element's LR" if self.state == "fresh" else "their LR" if self.lr_mult != 1.0 else "the LR of the elements growth created fresh"
+            if self.state == "fresh":
+                who = "every element's LR"
+            elif self.lr_mult != 1.0:
+                who = "their LR"
+            else:
+                who = "the LR of the elements growth created fresh"
             parts.append(f"{who} ramped over the stage's first {self.warmup_steps} step(s)")
         return "; ".join(parts)
 

@@ -905,7 +905,7 @@ class Run:
             if bad_update > 0:
                 self._raise_bad_update(pos.global_step, stage)
             finite = math.isfinite(ce_sum) and math.isfinite(aux_sum) and math.isfinite(grad_norm)
-            ramp = stage.fresh.ramp(pos.stage_step) if stage.grow else None  # the LR factor of the growth's fresh elements
+            ramp = stage.fresh.ramp(pos.stage_step)  # the LR factor of the growth's fresh elements (validate: only where it grows)
             if finite:
                 with self.optimizer.ramped(pos.stage_step, ramp) if ramp is not None else contextlib.nullcontext():
                     self.optimizer.step(lr)

@@ -21,12 +21,11 @@ from torch import nn
 from conftest import MICRO, assert_same_run, kill_and_resume, losses, metrics_rows, run_cli, train_recipe
 from growtrain.optim import OptimizerConfig, ParamState
 from growtrain.optim_registry import build_optimizer
-from growtrain.recipe import FreshConfig, GrowthStep, InvarianceConfig, RecipeError, recipe_from_dict
-from growtrain.stages import apply_growth, get_operator
+from growtrain.recipe import FreshConfig, InvarianceConfig, RecipeError, recipe_from_dict
 from growtrain.stages import transition
 from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs
 from growtrain.stages.operators.upcycle import UpcycleArgs
-from test_growth_operators import LENIENT, PROBE, dense_config, moe_config, trained
+from test_growth_operators import LENIENT, dense_config, grow, moe_config, trained
 
 DEFAULT = InvarianceConfig()  # the recipe's bars (these models are fp32)
 
@@ -94,18 +93,8 @@ def test_the_ramp_over_the_stage_is_linear_and_ends():
 
 
 def grow_with(model, state, op: str, args, fresh: FreshConfig, cfg=DEFAULT):
-    return apply_growth(
-        model,
-        copy.deepcopy(state),
-        [GrowthStep(op, args)],
-        seed=0,
-        stage_index=1,
-        stage_name="grown",
-        planned=get_operator(op).plan(model.config, args),
-        probe=PROBE,
-        invariance_cfg=cfg,
-        fresh=fresh,
-    )
+    """test_growth_operators.grow with a `fresh` section, on a copy of the state (reset zeroes it in place)."""
+    return grow(model, copy.deepcopy(state), op, args, cfg=cfg, fresh=fresh)
 
 
 def test_growth_gives_its_fresh_elements_the_recipes_lr_multiplier_and_the_check_expects_it():

@@ -114,10 +114,19 @@ STRICT = InvarianceConfig(exact_rel_tol=1e-10)  # fp64 runs: far tighter than th
 LENIENT = InvarianceConfig(exact_rel_tol=1e-10, max_rel_dloss=1e9, min_cosine=-1.0, max_router_kl=1e9, dynamics_max_rel=1e9)
 
 
-def grow(model, state, op_name: str, args, cfg: InvarianceConfig = STRICT, probe=PROBE):
+def grow(model, state, op_name: str, args, cfg: InvarianceConfig = STRICT, probe=PROBE, fresh=None):
     op = get_operator(op_name)
     return apply_growth(
-        model, state, [GrowthStep(op_name, args)], seed=0, stage_index=1, stage_name="grown", planned=op.plan(model.config, args), probe=probe, invariance_cfg=cfg
+        model,
+        state,
+        [GrowthStep(op_name, args)],
+        seed=0,
+        stage_index=1,
+        stage_name="grown",
+        planned=op.plan(model.config, args),
+        probe=probe,
+        invariance_cfg=cfg,
+        fresh=fresh,
     )
 
 
