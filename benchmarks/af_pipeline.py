@@ -17,7 +17,7 @@ the whole-step time the AF schedules are compared with.
 
 On a CPU machine with fewer cores than processes the processes share the cores: compute on one
 side slows the other, which the roofline (independent devices) does not model; the measured
-shares there say how the schedule behaves, not what a GPU node would see. The README (AF mode)
+shares there say how the schedule behaves, not what a GPU node would see. docs/scale.md (AF mode)
 lists what a GPU run must confirm.
 """
 

@@ -2,7 +2,7 @@
 
 Every checkpoint file is covered by a sha256 in its manifest. Under expert parallelism each rank
 now hashes the shard it wrote, all ranks at once, and on load each rank hashes its share of the
-files (growtrain/checkpoint.py); before, rank 0 hashed every file of a save, and every rank every
+files (growtrain/checkpoint/store.py); before, rank 0 hashed every file of a save, and every rank every
 file of a load. This measures growtrain's own hashing (checkpoint._sha256, 1 MiB reads) on a file
 of --gb GB, cold (after dropping it from the page cache where the OS allows) and warm, and states
 how long a peer waits at the 120B recipe's last stage (~117 GB per checkpoint over 8 ranks)
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from growtrain.checkpoint import _sha256  # noqa: E402
+from growtrain.checkpoint.store import _sha256  # noqa: E402
 from growtrain.recipe import DistributedConfig  # noqa: E402
 
 

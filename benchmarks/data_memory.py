@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from growtrain.data import BUILTIN_SOURCES  # noqa: E402
+from growtrain.data.corpus import BUILTIN_SOURCES  # noqa: E402
 
 FILE_BYTES = 4 << 20  # text per file of the built corpus
 
@@ -117,7 +117,7 @@ def train_bpe(text: Path, out: Path, vocab: int) -> Path:
 
 
 def loader_tokens_per_s(prepared: Path, batch_size: int, seq_len: int, seconds: float = 2.0) -> float:
-    from growtrain.data import DataConfig, TokenStream, load_corpus
+    from growtrain.data.corpus import DataConfig, TokenStream, load_corpus
 
     corpus = load_corpus(DataConfig(source=str(prepared)), seed=0)
     stream = TokenStream(corpus.train, 0)

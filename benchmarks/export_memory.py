@@ -7,7 +7,7 @@ peak RSS the kernel reports (ru_maxrss):
 - the same with bfloat16 weights;
 - the baseline a user would otherwise write: load the checkpoint's model.safetensors whole with
   safetensors' load_file and save it with save_file (no merging, no sharding).
-Also measures the interpreter alone (python, torch and growtrain.hf_export imported) so the
+Also measures the interpreter alone (python, torch and growtrain.hf.export imported) so the
 table shows what the export adds on top of it.
 
     python benchmarks/export_memory.py [--json] [--gb 1.2] [--nf4] [--max-shard-size 500MB]
@@ -62,7 +62,7 @@ def _cli(*args: str) -> str:
 def write_checkpoint(root: Path, gb: float, nf4: bool) -> tuple[Path, int]:
     import torch
 
-    from growtrain.checkpoint import CheckpointConfig, CheckpointManager
+    from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager
     from growtrain.model import GrowLM, ModelConfig, MoEConfig
     from growtrain.recipe import to_plain
 
@@ -87,7 +87,7 @@ def _exported_bytes(cfg) -> int:
     """The exported model's size at float32 (NF4 experts merged to full precision)."""
     import torch
 
-    from growtrain.export import base_config
+    from growtrain.hf.adapters import base_config
     from growtrain.model import GrowLM
 
     with torch.device("meta"):
@@ -102,14 +102,14 @@ def main() -> None:
     ap.add_argument("--max-shard-size", default="500MB")
     args = ap.parse_args()
 
-    from growtrain import hf_common
+    from growtrain.hf import common as hf_common
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
         run, model_bytes = write_checkpoint(root, args.gb, args.nf4)
         setup_s = time.perf_counter() - t0
-        base_rss, _ = peak_rss_mb("import torch, growtrain.cli, growtrain.hf_export, growtrain.inspect, bitsandbytes", root)
+        base_rss, _ = peak_rss_mb("import torch, growtrain.cli, growtrain.hf.export, growtrain.inspect, bitsandbytes", root)
         rows = []
         for label, extra in (("export-hf float32", []), ("export-hf bfloat16", ["--dtype", "bfloat16"])):
             out = root / label.replace(" ", "-")

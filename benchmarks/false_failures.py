@@ -185,7 +185,7 @@ def run_one(recipe: dict, work: Path, nproc: int, tally: Tally) -> None:
 
 def growth_history(run_dir: Path) -> list[dict]:
     """The growth records of a finished run: its newest checkpoint's meta."""
-    from growtrain.checkpoint import read_meta
+    from growtrain.checkpoint.store import read_meta
 
     checkpoints = run_dir / "checkpoints"
     return list(read_meta(checkpoints / (checkpoints / "latest").read_text().strip())["growth_history"])

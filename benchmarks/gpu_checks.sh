@@ -19,7 +19,7 @@
 # checks side by side (their outputs in files, shown after). PARTS="1 3" runs only those parts;
 # BENCH_ARGS passes options to benchmarks/kernels.py.
 # Python packages the GPU image lacks (bitsandbytes) are taken from wheels in .whl/ when present
-# (README: GPU validation), since such a machine may reach no package index.
+# (docs/gpus.md, GPU validation), since such a machine may reach no package index.
 set -u
 OUT="${OUT:-gpu_checks_out}"
 mkdir -p "$OUT"

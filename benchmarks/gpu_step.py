@@ -112,9 +112,10 @@ def _balanced_offsets(rows: int, experts: int, dev: torch.device) -> torch.Tenso
 
 def run_stage(recipe, stage_cfg, stage, args, dev: torch.device) -> dict:
     from growtrain.model.lm import GrowLM
-    from growtrain.optim_registry import build_optimizer
+    from growtrain.optim.registry import build_optimizer
     from growtrain.planning.roofline import model_flops_per_token
-    from growtrain.train import forward_loss, gpu_peak_tflops
+    from growtrain.runtime.device import gpu_peak_tflops
+    from growtrain.runtime.passes import forward_loss
 
     precision = recipe.train.precision if dev.type == "cuda" else "fp32"
     micro = max(stage.batch_size // args.gpus, 1)

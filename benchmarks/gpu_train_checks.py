@@ -16,7 +16,7 @@
 4. CUDA only: torch.cuda.max_memory_allocated per stage against `growtrain plan` for the same
    recipe on one GPU of the matching preset (ratio reported, within +-25%);
 5. host syncs per training step: on CUDA counted by torch.cuda.set_sync_debug_mode("warn"), on the
-   CPU by growtrain.host_syncs (the calls that would sync).
+   CPU by growtrain.runtime.host_syncs (the calls that would sync).
 
 On a GPU machine the five training runs go side by side (the CPU reference on 6 cores); on the
 CPU one at a time.
@@ -273,7 +273,7 @@ def part5(out: Path, device: str) -> dict:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from host_syncs import recipe as sync_recipe
 
-    from growtrain.host_syncs import call_site, per_step_syncs
+    from growtrain.runtime.host_syncs import call_site, per_step_syncs
 
     raw = sync_recipe(4, 2)
     raw["train"]["device"] = device
@@ -308,7 +308,7 @@ def part5(out: Path, device: str) -> dict:
                 "counted_by": "torch.cuda.set_sync_debug_mode"}
     got = per_step_syncs(raw, 3, out / "syncs")
     return {"ok": got["trainer"] <= 1, "syncs_per_step_4_moe_blocks_accum2": got["trainer"], "reference_backend": got["expert_backend"],
-            "counted_by": "growtrain.host_syncs"}
+            "counted_by": "growtrain.runtime.host_syncs"}
 
 
 def main() -> int:

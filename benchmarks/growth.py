@@ -31,7 +31,7 @@ are the same with or without it.
 Beside the final losses and the FLOPs ratio (per seed, their mean, and their max), the study
 reports for every growth the held-out loss at the previous stage's end and the worst held-out loss
 of the next 100 steps before the following growth ("excursion", relative), and how far sibling
-experts have moved apart at every stage's end (growtrain/divergence.py). The JSON line holds
+experts have moved apart at every stage's end (growtrain/runtime/divergence.py). The JSON line holds
 `arms`, `grown_minus`, `flops_ratio_per_seed`, `flops_ratio_to_scratch_loss`, `excursions`,
 `sibling_divergence` (of the `grown` arm), `variants` (the same numbers per grown arm) and `grow_at`.
 
@@ -69,10 +69,10 @@ from pathlib import Path
 
 import yaml
 
-from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta
+from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager, read_meta
 from growtrain.model.config import ModelConfig
 from growtrain.recipe import Recipe, RecipeError, RunScheduleConfig, ScheduleConfig, StageConfig, load_recipe, recipe_from_dict, to_plain
-from growtrain.tracking import MetricsFile
+from growtrain.runtime.tracking import MetricsFile
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS = ("grown", "scratch", "dense")
@@ -113,7 +113,7 @@ def one_stage(recipe: Recipe, name: str, model: ModelConfig, budget_flops: float
     """`model` trained as one stage for as many steps as `budget_flops` buys, at the last stage's
     batch and sequence length, with one cosine schedule (the grown run's warmup and final floor)."""
     from growtrain.planning import model_flops_per_token
-    from growtrain.progress import stage_step_costs
+    from growtrain.runtime.progress import stage_step_costs
 
     last = recipe.stages[-1]
     (per_step,) = stage_step_costs([model], [last], model_flops_per_token)  # the trainer's count of a step
@@ -163,7 +163,7 @@ def grown_at(recipe: Recipe, fraction: float, vocab_size: int) -> Recipe:
     first growth, the later stages' steps scaled together so that the run's FLOPs stay the same
     (to rounding: the same scratch and dense arms serve every point)."""
     from growtrain.planning import model_flops_per_token
-    from growtrain.progress import stage_step_costs
+    from growtrain.runtime.progress import stage_step_costs
     from growtrain.stages import plan_stage_models
 
     shapes = plan_stage_models(recipe.model.with_changes(vocab_size=vocab_size), [s.grow for s in recipe.stages])
@@ -193,7 +193,7 @@ class ArmRun:
     seconds: float
     curve: list[tuple[float, float]]  # (counted FLOPs, held-out loss) at every evaluation
     excursions: list[dict]  # one per growth transition (held-out loss before it, worst in the next EXCURSION_STEPS)
-    siblings: dict  # stage name -> {MoE layer: sibling numbers at the stage's end} (growtrain/divergence.py)
+    siblings: dict  # stage name -> {MoE layer: sibling numbers at the stage's end} (growtrain/runtime/divergence.py)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in ("curve", "excursions", "siblings")}

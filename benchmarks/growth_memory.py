@@ -2,7 +2,7 @@
 
 Runs a recipe (default recipes/120b-rehearsal.yaml: the 120B recipe's stages and operators at a
 tiny width) under `torchrun --standalone --nproc-per-node N` with GROWTRAIN_MEMORY_TRACE set
-(growtrain/memtrace.py), so that every rank records, for each stage's growth and for its training,
+(growtrain/runtime/memtrace.py), so that every rank records, for each stage's growth and for its training,
 the peak of live tensor bytes (the storages alive at the phase start plus the peak of those made
 inside it) and of its resident memory (VmHWM). For every transition it reports the largest over
 the ranks of both peaks, their ratio, and what `growtrain plan` predicts per rank

@@ -1,6 +1,6 @@
 """Host syncs per training step of the real training loop, at 2 and 8 blocks and 1 and 4
 micro-batches (issue 13): on the single-process path the trainer's count must not grow with
-depth, MoE layers or micro-batches. Counted on the CPU by growtrain.host_syncs (the calls that
+depth, MoE layers or micro-batches. Counted on the CPU by growtrain.runtime.host_syncs (the calls that
 would sync on a GPU). The reference expert backends' one offsets read per MoE call is reported
 apart: it grows with MoE layers by construction, and the Triton path does not make it.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from growtrain.host_syncs import per_step_syncs  # noqa: E402
+from growtrain.runtime.host_syncs import per_step_syncs  # noqa: E402
 
 
 def recipe(blocks: int, accum: int) -> dict:

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from growtrain.model import GrowLM, ModelConfig
-from growtrain.optim_registry import build_optimizer
-from growtrain.optim8bit import state_bytes
+from growtrain.optim.registry import build_optimizer
+from growtrain.optim.adamw8bit import state_bytes
 from growtrain.recipe import OptimizerConfig, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]

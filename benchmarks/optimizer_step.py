@@ -35,8 +35,8 @@ import time
 import torch
 from torch import nn
 
-from growtrain.optim import OptimizerConfig
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw import OptimizerConfig
+from growtrain.optim.registry import build_optimizer
 
 LR = 1e-3
 TARGET = 1.3  # the bound on growtrain / reference step time

@@ -263,7 +263,7 @@ def table(results: list[dict]) -> str:
 
 def summary(results: list[dict]) -> str:
     """Per operator and layout: how many of its cells (2 formats x 2 optimizers x 2 block kinds)
-    run, are refused (and why, by reason), or fail; the README's table."""
+    run, are refused (and why, by reason), or fail; the table in docs/results.md."""
     lines = ["| operator | " + " | ".join(LAYOUTS) + " |", "|---|" + "---|" * len(LAYOUTS)]
     reasons: dict[str, list[str]] = {}
     for op in OPERATORS:

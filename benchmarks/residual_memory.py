@@ -5,7 +5,7 @@ reversible backward beside them, and what the planner predicts.
     python benchmarks/residual_memory.py [--json] [--depths 4 8 16 32]
 
 Each model runs one forward + backward through GrowLM.forward, as the trainer runs it, under two
-meters (growtrain/memory.py):
+meters (growtrain/runtime/memory.py):
   kept   peak bytes that autograd holds for backward (saved-tensor hooks, parameters excluded).
          torch.utils.checkpoint's non-reentrant recompute keeps its tensors under hooks of its
          own, so for the checkpointed arm this is what the forward keeps: the blocks' inputs.
@@ -25,7 +25,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from growtrain.memory import LiveTensorMeter, SavedTensorMeter
+from growtrain.runtime.memory import LiveTensorMeter, SavedTensorMeter
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.planning.memory import activation_bytes
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from growtrain.memory import LiveTensorMeter, SavedTensorMeter
+from growtrain.runtime.memory import LiveTensorMeter, SavedTensorMeter
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.reversible import invert_blocks, plain_blocks, reversible_blocks
 

@@ -247,18 +247,18 @@ def _message(exc: BaseException) -> str:
 
 
 def _user_error_code(exc: Exception) -> int | None:
-    from growtrain.checkpoint import CheckpointError
-    from growtrain.data import DataError
+    from growtrain.checkpoint.store import CheckpointError
+    from growtrain.data.corpus import DataError
     from growtrain.recipe import RecipeError
     from growtrain.stages import GrowthCheckFailed
 
-    from growtrain.run_lock import RunDirLocked
+    from growtrain.checkpoint.run_lock import RunDirLocked
 
     if isinstance(exc, (RecipeError, DataError, CheckpointError, RunDirLocked)):
         return 2
     if environment_error(exc) is not None:
         return 2
-    export = sys.modules.get("growtrain.export")  # loaded by export-adapters and export-hf only
+    export = sys.modules.get("growtrain.hf.adapters")  # loaded by export-adapters and export-hf only
     if export is not None and isinstance(exc, export.ExportError):
         return 2
     plot = sys.modules.get("growtrain.plot")  # loaded by `plot`
@@ -269,10 +269,10 @@ def _user_error_code(exc: Exception) -> int | None:
         return 2
     if isinstance(exc, GrowthCheckFailed):
         return 3
-    distributed = sys.modules.get("growtrain.distributed")  # loaded by `run`
+    distributed = sys.modules.get("growtrain.parallel.distributed")  # loaded by `run`
     if distributed is not None and isinstance(exc, distributed.PeerFailed):
         return 5
-    from growtrain.train import TrainingDiverged
+    from growtrain.runtime.health import TrainingDiverged
 
     if isinstance(exc, TrainingDiverged):
         return 4
@@ -306,7 +306,7 @@ def cmd_validate(args) -> int:
         return 2
     shapes = plan_stage_models(recipe.model, [s.grow for s in recipe.stages])
     if args.world_size > 1:
-        from growtrain.distributed import resolve_attention_ranks, world_size_problems
+        from growtrain.parallel.distributed import resolve_attention_ranks, world_size_problems
 
         try:
             recipe, chosen = resolve_attention_ranks(recipe, shapes, args.world_size)
@@ -399,7 +399,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export_adapters(args) -> int:
-    from growtrain.export import export_adapters
+    from growtrain.hf.adapters import export_adapters
 
     summary = export_adapters(args.checkpoint, args.out_dir, with_base=args.base)
     print(
@@ -410,7 +410,7 @@ def cmd_export_adapters(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from growtrain.hf_export import export_hf
+    from growtrain.hf.export import export_hf
 
     summary = export_hf(args.checkpoint, args.out, args.dtype, args.experts, args.max_shard_size, args.overwrite)
     evals = Path(__import__("growtrain.evals").evals.__file__).parent
@@ -459,7 +459,7 @@ def _af_measured(plan, run_dir: Path) -> dict:
 
     from growtrain.planning import PlanError
     from growtrain.planning.af_measured import compare
-    from growtrain.tracking import MetricsFile
+    from growtrain.runtime.tracking import MetricsFile
 
     recipe_file, metrics = run_dir / "recipe.yaml", run_dir / "metrics.jsonl"
     if not recipe_file.is_file() or not metrics.is_file():
@@ -477,8 +477,8 @@ def _af_measured(plan, run_dir: Path) -> dict:
 
 
 def cmd_prepare_data(args) -> int:
-    from growtrain.data import resolve_source_path, resolve_tokenizer_path
-    from growtrain.prepare import PrepareOptions, prepare_data
+    from growtrain.data.corpus import resolve_source_path, resolve_tokenizer_path
+    from growtrain.data.prepare import PrepareOptions, prepare_data
 
     cwd = Path.cwd()
     opts = PrepareOptions(
@@ -499,7 +499,7 @@ def cmd_prepare_data(args) -> int:
 
 
 def cmd_check_data(args) -> int:
-    from growtrain.shards import read_manifest, verify_shards
+    from growtrain.data.shards import read_manifest, verify_shards
 
     manifest = read_manifest(args.path)
 

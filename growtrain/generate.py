@@ -27,10 +27,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from growtrain.checkpoint import resolve
+from growtrain.checkpoint.store import resolve
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
-from growtrain.tokenizer import checkpoint_tokenizer
+from growtrain.data.tokenizer import checkpoint_tokenizer
 
 
 def _ids(tokens: list[int], model: GrowLM) -> torch.Tensor:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from growtrain.checkpoint import CheckpointConfig, CheckpointError, CheckpointManager, read_meta, verify_checkpoint
-from growtrain.divergence import format_line as format_sibling_line
+from growtrain.checkpoint.store import CheckpointConfig, CheckpointError, CheckpointManager, read_meta, verify_checkpoint
+from growtrain.runtime.divergence import format_line as format_sibling_line
 
 
 def find_checkpoint(path: Path) -> tuple[Path, list[str], list[dict]]:
@@ -133,7 +133,7 @@ def checkpoint_report(ckpt: Path, problems: list[str] | None = None, skipped: li
         "expert_parallel": (meta.get("expert_parallel") or {}).get("size", 1),  # ranks that saved its experts
         "layout": _layout(meta.get("expert_parallel")),
         "transitions": transitions,
-        # stage name -> {MoE layer index: sibling numbers at the stage's end} (growtrain/divergence.py)
+        # stage name -> {MoE layer index: sibling numbers at the stage's end} (growtrain/runtime/divergence.py)
         "sibling_divergence": meta.get("sibling_divergence", {}),
     }
 
@@ -190,7 +190,7 @@ def format_report(r: dict) -> str:
                 f"{before:>13,} -> {after:<13,}"
             )
     if r["sibling_divergence"]:
-        lines += ["", "sibling experts at each stage's end (growtrain/divergence.py):"]
+        lines += ["", "sibling experts at each stage's end (growtrain/runtime/divergence.py):"]
         for stage, layers in r["sibling_divergence"].items():
             lines += [f"  {stage:<12} {format_sibling_line(int(i), n)}" for i, n in layers.items()]
     return "\n".join(lines)

@@ -34,7 +34,7 @@ class RunCurves:
 
 
 def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
-    from growtrain.tracking import MetricsFile
+    from growtrain.runtime.tracking import MetricsFile
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -65,7 +65,7 @@ def read_run(run_dir: Path, label: str | None = None) -> RunCurves:
 def _growth_notes(run_dir: Path) -> dict[str, list[str]]:
     """Per grown stage, one note per growth operator: its name and the Δloss it caused on the
     probe batch (the transition's own whole-stage record is left out)."""
-    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta
+    from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager, read_meta
 
     found = CheckpointManager(run_dir, CheckpointConfig(), log=lambda msg: None).complete_checkpoints()
     if not found:

@@ -1,6 +1,6 @@
 """The recipe: a typed, frozen description of a whole run, loaded strictly from YAML.
 
-Every component owns its config dataclass (model/config.py, data.py, checkpoint.py, tracking.py);
+Every component owns its config dataclass (model/config.py, data/corpus.py, checkpoint/store.py, runtime/tracking.py);
 this module composes them, adds the stage list, and validates a YAML document against the
 composition. Validation collects every problem before raising, names the YAML line where it can,
 and suggests the nearest valid key for a typo (STYLE.md item 2).
@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 import yaml
 
-from growtrain.checkpoint import CheckpointConfig
-from growtrain.data import DataConfig, resolve_source_path, resolve_tokenizer_path
+from growtrain.checkpoint.store import CheckpointConfig
+from growtrain.data.corpus import DataConfig, resolve_source_path, resolve_tokenizer_path
 from growtrain.model.config import ModelConfig, MoEConfig
-from growtrain.optim import OptimizerConfig
-from growtrain.tracking import TrackingConfig
+from growtrain.optim.adamw import OptimizerConfig
+from growtrain.runtime.tracking import TrackingConfig
 
 
 class RecipeError(Exception):
@@ -231,7 +231,7 @@ def decay_steps(total: int, decay_fraction: float) -> int:
 
 
 def _expert_backend_problem(name: str) -> str | None:
-    from growtrain.model.moe import expert_backend_setting_problem  # imported lazily: torch
+    from growtrain.model.expert_backends import expert_backend_setting_problem  # imported lazily: torch
 
     return expert_backend_setting_problem(name)
 
@@ -301,7 +301,7 @@ class DistributedConfig:
         metadata={
             "doc": "colocated: every rank holds a share of the experts and trains its rows of the batch (expert parallelism). "
             "af: attention/expert disaggregation: the first attention_ranks ranks hold everything but the routed experts "
-            "(data parallel among themselves), the others the routed experts (README: AF mode). A runtime choice: a resume "
+            "(data parallel among themselves), the others the routed experts (docs/scale.md, AF mode). A runtime choice: a resume "
             "may change it (checkpoints load in either layout)."
         },
     )
@@ -328,7 +328,7 @@ class DistributedConfig:
             "micro-batches in flight on every attention rank (a step's grad_accum micro-batches in pairs: grad_accum 2+ "
             "in every MoE stage, model.reversible on), one computing its attention while the expert ranks serve the "
             "other's call and take in the next (the transfers overlapping both sides' compute: the planner's AF model); "
-            "the co-located run's numbers (README: AF mode)."
+            "the co-located run's numbers (docs/scale.md, AF mode)."
         },
     )
 
@@ -351,7 +351,7 @@ class InvarianceConfig:
             "doc": "After each operator and for the whole transition, take one optimizer step (the run's optimizer, clip and "
             "the new stage's first LR) from the old and from the new model and state on the probe batch, and compare the "
             "change of the logits; also check that every new trainable element can get a gradient. Costs 3 to 4 forward+backward and 2 forward passes of the probe batch "
-            "per operator (README: Growth checks); false turns both off (with a warning)."
+            "per operator (docs/growth.md, Growth checks); false turns both off (with a warning)."
         },
     )
     values: bool = field(
@@ -416,7 +416,7 @@ class Recipe:
     invariance: InvarianceConfig = field(default_factory=InvarianceConfig, metadata={"doc": "Growth check thresholds."})
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"doc": "W&B and console."})
     distributed: DistributedConfig = field(
-        default_factory=DistributedConfig, metadata={"doc": "Expert parallelism under torchrun (README: Expert parallelism)."}
+        default_factory=DistributedConfig, metadata={"doc": "Expert parallelism under torchrun (docs/scale.md, Expert parallelism)."}
     )
 
     @property
@@ -515,11 +515,11 @@ def _resolve_data_paths(raw: dict, base: Path) -> None:
 def _apply_init_from(raw: dict, problems: list[str]) -> None:
     """model.init_from: the shape fields from the checkpoint's config.json (a recipe value that
     disagrees is a problem), block residual, and its tokenizer.json as data.tokenizer unless the
-    recipe names one (growtrain/hf_import.py)."""
+    recipe names one (growtrain/hf/seed_import.py)."""
     model = raw.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("init_from"), str) or not model["init_from"]:
         return
-    from growtrain.hf_import import ImportRefused, shape_fields, sliding_window
+    from growtrain.hf.seed_import import ImportRefused, shape_fields, sliding_window
 
     path = Path(model["init_from"])
     try:

@@ -5,6 +5,8 @@ from growtrain.stages.registry import OPERATORS, GrowthPlanError, Operator, Prov
 from growtrain.stages import operators as _operators  # noqa: F401  (registers the built-in operators)
 from growtrain.stages.transition import GrowthCheckFailed, GrowthOutcome, apply_growth, plan_stage_models
 from growtrain.stages.streaming import stream_length
+from growtrain.stages.placement import grow_stage, record_line
+from growtrain.stages.seed import import_seed
 
 __all__ = [
     "OPERATORS",
@@ -15,7 +17,10 @@ __all__ = [
     "Provenance",
     "apply_growth",
     "get_operator",
+    "grow_stage",
+    "import_seed",
     "plan_stage_models",
+    "record_line",
     "register",
     "stream_length",
 ]

@@ -37,7 +37,7 @@ def fresh_tensors(cfg: ModelConfig, names, like: GrowLM) -> dict[str, torch.Tens
     index, and on expert shards only this rank's are drawn (stages/sharding.py), so a grown model is
     the same at any EP size. Drawn on the CPU (the same numbers whatever the device), then put on
     `like`'s device and float dtype."""
-    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.model.expert_shards import is_expert_tensor
     from growtrain.stages import sharding
 
     ref = next(like.parameters())
@@ -79,7 +79,7 @@ def _fresh_experts(module, key: int) -> dict[str, torch.Tensor]:
     of the module seeded by (key, its global index)."""
     import copy
 
-    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.model.expert_shards import is_expert_tensor
     from growtrain.model.expert_parallel import cut_experts
     from growtrain.stages import sharding
 

@@ -58,8 +58,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from growtrain.optim8bit import BLOCKSIZE, Moment8bit, uses_8bit_state
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw8bit import BLOCKSIZE, Moment8bit, uses_8bit_state
+from growtrain.optim.registry import build_optimizer
 from growtrain.stages import sharding
 
 # Operator -> patterns (re.search) of the grown parameters held out of the one-step comparison
@@ -495,7 +495,7 @@ def dynamics_check(old: Side, new: Side, opt_cfg, lr: float, probe, exact: bool,
         # distances it does bound (1e-5 to 2e-5).
         metrics["clip_norm_bar"] = CLIP_NORM_RTOL + NOISE_MULT * max(metrics["twin_clip_norm_rel"], metrics["twin_rel_l2"])
     if exact and opt_cfg.grad_clip > 0 and not (norm_rel <= metrics["clip_norm_bar"]):
-        # A mapped state weighs each copy's squared gradient by S·β (optim.py): the grown model's
+        # A mapped state weighs each copy's squared gradient by S·β (growtrain/optim/adamw.py): the grown model's
         # clip norm is the ungrown one's, or clipping scales the two steps differently.
         problems.append(
             f"dynamics: the clip norm of the grown model's gradient is {b['norm']:.6g}, the ungrown model's {a['norm']:.6g} "
@@ -665,7 +665,7 @@ def _over_ranks(report: dict, unreached: dict) -> tuple[dict, dict]:
     every = sharding.gather_objects((report, unreached))
     if len(every) == 1:
         return report, unreached
-    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.model.expert_shards import is_expert_tensor
 
     merged, idle = {}, {}
     for rep, unr in every:

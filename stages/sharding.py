@@ -227,7 +227,7 @@ def reduce_tensor(t: torch.Tensor, dst: int) -> torch.Tensor:
 
 def count_parameters(model) -> int:
     """The model's parameter count: the replicated ones once, the expert shards summed over ranks."""
-    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.model.expert_shards import is_expert_tensor
 
     dense = sum(p.numel() for n, p in model.named_parameters() if not is_expert_tensor(n))
     experts = sum(p.numel() for n, p in model.named_parameters() if is_expert_tensor(n))
@@ -240,7 +240,7 @@ def clip_grad_norm(opt, max_norm: float) -> float:
     same on every rank). Each element's squared gradient is counted once: summed over the ranks."""
     if not _active():
         return opt.clip_grad_norm(max_norm)
-    from growtrain.optim import clip_grad_norm_
+    from growtrain.optim.adamw import clip_grad_norm_
 
     names, stored = list(opt.params), opt._stored()
     return float(clip_grad_norm_([opt.params[n] for n in names], max_norm, [stored[n].norm_mult for n in names], sum_tensor))
@@ -262,14 +262,14 @@ def dense_owners(model) -> dict[str, int] | None:
     local)."""
     if not _active():
         return None
-    from growtrain.distributed import zero1_owners
+    from growtrain.parallel.distributed import zero1_owners
 
     return zero1_owners(dict(model.named_parameters()), current().dense_ranks)
 
 
 def holds(name: str, owners: dict[str, int] | None) -> bool:
     """Whether this rank keeps the optimizer state of parameter `name` (owners: dense_owners)."""
-    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.model.expert_shards import is_expert_tensor
 
     return owners is None or is_expert_tensor(name) or owners.get(name) == current().rank
 
@@ -280,8 +280,8 @@ def dense_holders(state) -> dict[str, tuple[int, dict]] | None:
     None outside expert shards."""
     if not _active():
         return None
-    from growtrain.distributed import _state_layouts
-    from growtrain.expert_shards import is_expert_tensor
+    from growtrain.parallel.distributed import _state_layouts
+    from growtrain.model.expert_shards import is_expert_tensor
 
     mine = _state_layouts({n: s for n, s in state.items() if not is_expert_tensor(n)})
     table: dict[str, tuple[int, dict]] = {}
@@ -295,7 +295,7 @@ def dense_holders(state) -> dict[str, tuple[int, dict]] | None:
 
 def fetch_state(state, name: str, holders: dict[str, tuple[int, dict]]):
     """Dense entry `name` on every rank, broadcast from the rank that holds it (a collective)."""
-    from growtrain.distributed import _TensorLayout, _entry, _fields, broadcast_field
+    from growtrain.parallel.distributed import _TensorLayout, _entry, _fields, broadcast_field
 
     if name not in holders:
         raise KeyError(f"no rank holds optimizer state for {name}")
@@ -359,7 +359,7 @@ def probe_grads(named: dict) -> None:
     place so that no flat copy of them sits next to them at growth's peak."""
     if not _active():
         return
-    from growtrain.distributed import mean_grads
+    from growtrain.parallel.distributed import mean_grads
 
     mean_grads(named, current().size, _device(), per_tensor=True, group=_group())
 

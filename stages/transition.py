@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from growtrain.expert_shards import is_expert_tensor
-from growtrain.faults import maybe_fault
+from growtrain.model.expert_shards import is_expert_tensor
+from growtrain.runtime.faults import maybe_fault
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
-from growtrain.optim import OptimizerConfig, ParamState, decays
+from growtrain.optim.adamw import OptimizerConfig, ParamState, decays
 from growtrain.stages.dynamics import Side, approximate_step, carry_masks, dynamics_check, fresh_masks, held_patterns, source_names, trainability_check, with_patterns
 from growtrain.stages.invariance import (
     block_drift,

@@ -33,7 +33,7 @@ import time
 import torch
 
 from growtrain.kernels.nf4_reference import NF4_BLOCKSIZE, bitsandbytes_functional, dequantize_nf4_bitsandbytes
-from growtrain.expert_shards import is_expert_tensor
+from growtrain.model.expert_shards import is_expert_tensor
 from growtrain.model.nf4 import MATRICES, NF4Experts, stored_layout
 from growtrain.stages import sharding
 from growtrain.stages.registry import Growth, Provenance

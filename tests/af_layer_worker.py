@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from growtrain import collective_guard
+from growtrain.parallel import collective_guard
 from growtrain.model.af import AFGroup, end_calls, serve_calls, shard_af
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
 from growtrain.model.moe import MoE

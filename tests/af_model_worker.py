@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from af_layer_worker import write_report
-from growtrain import collective_guard
-from growtrain.expert_shards import is_expert_tensor
+from growtrain.parallel import collective_guard
+from growtrain.model.expert_shards import is_expert_tensor
 from growtrain.model import GrowLM
 from growtrain.model.af import AFGroup, end_calls, serve_calls, shard_af_model
 from growtrain.model.af_interleaved import Turns, reversible_pass
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
-from growtrain.train import evaluate, forward_loss
+from growtrain.runtime.passes import evaluate, forward_loss
 
 
 def count_handovers():

@@ -12,10 +12,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from growtrain import collective_guard
-from growtrain.distributed import Dist
-from growtrain.expert_shards import slice_entry
-from growtrain.optim import ParamState
+from growtrain.parallel import collective_guard
+from growtrain.parallel.distributed import Dist
+from growtrain.model.expert_shards import slice_entry
+from growtrain.optim.adamw import ParamState
 
 
 def wrong_calls(W: int) -> dict:

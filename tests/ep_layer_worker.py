@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from growtrain import collective_guard
+from growtrain.parallel import collective_guard
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
 from growtrain.model.expert_parallel import EPGroup, shard_moe
 from growtrain.model.moe import MoE

@@ -1,7 +1,7 @@
 """The optimizer's update and clip norm as growtrain computed them before the fused paths (issue 16):
 one tensor at a time, in Python. The tests hold the new paths against these: bitwise where the
 arithmetic is meant to be unchanged, within fp32 rounding where a fused kernel orders it
-differently. Frozen copies: do not "fix" them along with growtrain/optim.py."""
+differently. Frozen copies: do not "fix" them along with growtrain/optim/adamw.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 @torch.no_grad()
 def reference_step(params: dict, states: dict, lr: float, cfg) -> None:
-    """AdamW.step of growtrain/optim.py before issue 16, over name -> parameter / ParamState."""
+    """AdamW.step of growtrain/optim/adamw.py before issue 16, over name -> parameter / ParamState."""
     b1, b2 = cfg.beta1, cfg.beta2
     for name, p in params.items():
         if p.grad is None:
@@ -35,7 +35,7 @@ def reference_step(params: dict, states: dict, lr: float, cfg) -> None:
 
 
 def reference_clip_grad_norm(params: list, max_norm: float, weights: list | None = None, sum_squares=None) -> float:
-    """growtrain.optim.clip_grad_norm before issue 16."""
+    """growtrain.optim.adamw.clip_grad_norm before issue 16."""
     weights = weights if weights is not None else [1.0] * len(params)
     pairs = [(p.grad, w) for p, w in zip(params, weights) if p.grad is not None]
     if sum_squares is not None:

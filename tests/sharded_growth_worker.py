@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from growtrain import collective_guard
-from growtrain.distributed import zero1_owners
-from growtrain.expert_shards import is_expert_tensor, slice_entry
+from growtrain.parallel import collective_guard
+from growtrain.parallel.distributed import zero1_owners
+from growtrain.model.expert_shards import is_expert_tensor, slice_entry
 from growtrain.model import GrowLM, ModelConfig
 from growtrain.model.config import MoEConfig
 from growtrain.model.expert_parallel import EPGroup, shard_experts
-from growtrain.optim import ParamState
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw import ParamState
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig
 from growtrain.stages import GrowthCheckFailed, apply_growth, get_operator, plan_stage_models, sharding
 

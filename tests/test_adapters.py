@@ -11,12 +11,12 @@ import peft
 import torch
 
 from conftest import run_cli
-from growtrain.checkpoint import CheckpointConfig, CheckpointManager
-from growtrain.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_model_adapters, load_base_model
+from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager
+from growtrain.hf.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_model_adapters, load_base_model
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import ExpertLoRAConfig
 from growtrain.model.dense_lora import DenseLoRAConfig, apply_dense_lora, is_peft_wrapped
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import OptimizerConfig, to_plain
 
 

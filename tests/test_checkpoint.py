@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from growtrain.checkpoint import (
+from growtrain.checkpoint.store import (
     CheckpointConfig,
     CheckpointError,
     CheckpointManager,
@@ -327,7 +327,7 @@ _CRASHING_SAVE = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from growtrain.checkpoint import CheckpointConfig, CheckpointManager
+    from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager
     mgr = CheckpointManager(Path(sys.argv[1]), CheckpointConfig())
     mgr.save(20, model_state={"w": torch.ones(64, 64)}, trainer_state={"step": 20}, meta={"step": 20})
     print("save finished, the fault did not fire")
@@ -377,7 +377,7 @@ def test_a_checkpoint_saved_after_growth_is_newer_than_the_stage_end_at_the_same
 
 
 def test_ranks_hash_disjoint_shares_of_the_files_that_together_cover_every_file(mgr, monkeypatch):
-    from growtrain import checkpoint
+    from growtrain.checkpoint import store as checkpoint
 
     path = _save(mgr, 10, extra_files={"recipe.yaml": "a: 1\n", "notes.txt": "x"})
     hashed: list[str] = []
@@ -403,7 +403,7 @@ def test_resume_gives_every_loaded_tensor_aligned_storage_of_its_own(tmp_path):
     few ulps (tests/test_resume.py caught it). The trainer copies such tensors into aligned storage."""
     from safetensors.torch import load_file, save_file
 
-    from growtrain.train import ALLOCATOR_ALIGNMENT, _owning
+    from growtrain.checkpoint.resume import ALLOCATOR_ALIGNMENT, owning as _owning
 
     save_file({"a": torch.randn(3), "b": torch.randn(5, 7), "c": torch.randn(64)}, str(tmp_path / "m.safetensors"))
     loaded = load_file(str(tmp_path / "m.safetensors"))

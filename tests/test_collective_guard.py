@@ -1,4 +1,4 @@
-"""growtrain.collective_guard in this process (no process group: a call the guard lets through
+"""growtrain.parallel.collective_guard in this process (no process group: a call the guard lets through
 reaches torch, which then says the group is not initialized). The two-process gloo run that
 proves it refuses wrong calls on every rank is in tests/test_expert_parallel.py."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import REPO
-from growtrain import collective_guard as guard
-from growtrain.optim import ParamState
+from growtrain.parallel import collective_guard as guard
+from growtrain.optim.adamw import ParamState
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_find_tensor_sees_through_containers_dataclasses_and_pickling():
 
 
 def test_the_collective_code_builds_every_tensor_on_an_explicit_device():
-    for path in ("growtrain/distributed.py", "growtrain/model/expert_parallel.py", "growtrain/model/af.py", "growtrain/collective_guard.py"):
+    for path in ("growtrain/parallel/distributed.py", "growtrain/model/expert_parallel.py", "growtrain/model/af.py", "growtrain/parallel/collective_guard.py"):
         assert guard.factory_calls_without_device((REPO / path).read_text()) == [], path
 
 

@@ -25,8 +25,8 @@ import io
 
 import torch
 
-from growtrain.optim import ParamState
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw import ParamState
+from growtrain.optim.registry import build_optimizer
 from growtrain.stages import get_operator
 from growtrain.stages.invariance import broadcasts_to
 from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs
@@ -140,7 +140,7 @@ def test_the_dynamics_check_steps_tensor_by_tensor_bit_for_bit_as_the_whole_opti
     step's per-rank peak). Per-neuron fields, fresh counts, 8-bit dense moments: bitwise the same."""
     from dataclasses import replace
 
-    from growtrain import optim8bit
+    from growtrain.optim import adamw8bit as optim8bit
     from growtrain.stages.dynamics import _optimizer, step_each
 
     monkeypatch.setattr(optim8bit, "MIN_8BIT_NUMEL", 256)  # the toy's dense matrices get 8-bit moments too

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from conftest import EXPLORE_FACTOR
 
-from growtrain.data import DataConfig, DataError, TokenArray, TokenStream, eval_batches, load_corpus
-from growtrain.tokenizer import ByteTokenizer, HFTokenizerFile, build_tokenizer
+from growtrain.data.corpus import DataConfig, DataError, TokenArray, TokenStream, eval_batches, load_corpus
+from growtrain.data.tokenizer import ByteTokenizer, HFTokenizerFile, build_tokenizer
 
 
 def _tokens(array: TokenArray) -> torch.Tensor:

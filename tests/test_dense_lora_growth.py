@@ -15,7 +15,7 @@ from conftest import MICRO, assert_same_run, kill_and_resume, run_cli, train_rec
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import DenseLoRAConfig
 from growtrain.model.dense_lora import is_peft_wrapped
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, RecipeError, recipe_from_dict, to_plain
 from growtrain.stages import GrowthPlanError, apply_growth, get_operator
 from growtrain.stages.operators.dense_lora import AddDenseLoRAArgs
@@ -163,7 +163,7 @@ def reference_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_run_whose_last_stage_adds_dense_lora_trains_only_the_adapters_of_attention(reference_run):
-    from growtrain.checkpoint import resolve
+    from growtrain.checkpoint.store import resolve
 
     from conftest import losses
 
@@ -197,8 +197,8 @@ def test_a_killed_dense_lora_stage_resumes_to_the_uninterrupted_losses_and_weigh
 def test_export_adapters_of_the_dense_lora_run_load_into_peft_and_compute_the_runs_logits(reference_run, tmp_path):
     import json
 
-    from growtrain.checkpoint import resolve
-    from growtrain.export import ADAPTER_CONFIG, load_base_model
+    from growtrain.checkpoint.store import resolve
+    from growtrain.hf.adapters import ADAPTER_CONFIG, load_base_model
     import peft
 
     _, run = reference_run

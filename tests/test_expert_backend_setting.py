@@ -16,9 +16,10 @@ from conftest import MICRO, _merge, losses
 from growtrain.generate import load_model
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig, MoEConfig
-from growtrain.model.moe import resolve_expert_backend
+from growtrain.model.expert_backends import resolve_expert_backend
 from growtrain.recipe import RecipeError, load_recipe, recipe_from_dict, to_plain
-from growtrain.train import _comparable, run
+from growtrain.checkpoint.resume import comparable as _comparable
+from growtrain.train import run
 
 
 def _moe_config() -> ModelConfig:
@@ -50,7 +51,7 @@ def test_auto_resolves_to_the_reference_on_the_cpu_and_explicit_names_are_kept()
 
 
 def test_auto_resolves_to_triton_on_cuda_only_where_triton_can_run(monkeypatch):
-    import growtrain.model.moe as moe
+    import growtrain.model.expert_backends as moe
 
     monkeypatch.setattr(moe, "triton_unavailable_reason", lambda device: None)
     assert resolve_expert_backend("auto", "cuda") == "triton"

@@ -1,7 +1,7 @@
 """Expert parallelism on CPU processes (gloo, launched by torchrun): the layer against the unsharded
 one, the overlapped combine against the serial one, whole runs at EP = 1, 2, 4 across a split,
 resuming at another EP size, and a rank that dies or fails. Every torchrun here runs with NCCL's
-rules checked (GROWTRAIN_CHECK_COLLECTIVES=1, growtrain/collective_guard.py): a collective tensor
+rules checked (GROWTRAIN_CHECK_COLLECTIVES=1, growtrain/parallel/collective_guard.py): a collective tensor
 off the group's device, or a tensor through an *_object collective, fails the run."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO, cli_env, losses, run_cli, train_recipe
-from growtrain.expert_shards import assemble, is_expert_tensor, slice_state
+from growtrain.model.expert_shards import assemble, is_expert_tensor, slice_state
 
 # 20 steps: dense → upcycle block 1 into 4 experts → split them into 8 (top-4) and clone them
 # into 16 (drop-upcycling: random redraws), batch 4 (divides over 1, 2 and 4 ranks), checkpoints
@@ -55,7 +55,7 @@ STEPS = 20
 FP32_RTOL = 1e-5  # measured: ≤ 1.5e-7 relative at EP = 2 and 4 (summation order of the batch means)
 
 
-# What each rank prints on stderr when growtrain.collective_guard is on.
+# What each rank prints on stderr when growtrain.parallel.collective_guard is on.
 CHECKS_ON = "collective checks on: every collective tensor on cpu"
 
 
@@ -141,7 +141,7 @@ def test_slices_saved_at_one_ep_size_assemble_at_another():
 
 def _save_sharded(tmp_path, shard_of) -> Path:
     """A checkpoint whose experts live in 4 shard files, as 4 ranks would write it."""
-    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, file_entry, shard_file_name, write_shard_file
+    from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager, file_entry, shard_file_name, write_shard_file
 
     names = [shard_file_name(r, 4) for r in range(4)]
 
@@ -161,7 +161,7 @@ def _save_sharded(tmp_path, shard_of) -> Path:
 
 
 def test_a_checkpoint_with_expert_shards_loads_at_any_size(tmp_path):
-    from growtrain.checkpoint import load_checkpoint
+    from growtrain.checkpoint.store import load_checkpoint
 
     torch.manual_seed(0)
     w = torch.randn(8, 3, 2)
@@ -187,7 +187,7 @@ def test_a_checkpoint_with_expert_shards_loads_at_any_size(tmp_path):
 
 
 def test_a_foreign_file_in_place_of_an_expert_shard_is_a_checkpoint_error(tmp_path):
-    from growtrain.checkpoint import CheckpointError, load_checkpoint
+    from growtrain.checkpoint.store import CheckpointError, load_checkpoint
 
     path = _save_sharded(tmp_path, lambda r: {"ep_rank": r, "something": "else"})
     with pytest.raises(CheckpointError, match="not an expert shard"):
@@ -421,7 +421,7 @@ def test_a_recipe_that_does_not_divide_over_the_ranks_is_refused(micro_recipe):
 
 @pytest.mark.slow
 def test_inspect_and_generate_read_a_checkpoint_saved_under_expert_parallelism(ep_runs):
-    from growtrain.checkpoint import load_checkpoint
+    from growtrain.checkpoint.store import load_checkpoint
 
     r = run_cli("inspect", ep_runs[4], "--json")
     assert r.returncode == 0, r.stderr

@@ -18,18 +18,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import growtrain.hf_common as hf_common
-import growtrain.hf_export as hf_export
+import growtrain.hf.common as hf_common
+import growtrain.hf.export as hf_export
 from conftest import MICRO, REPO, cli_env, run_cli
-from growtrain.checkpoint import CheckpointConfig, CheckpointManager, file_entry, read_meta, shard_file_name, write_shard_file
+from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager, file_entry, read_meta, shard_file_name, write_shard_file
 from growtrain.cli import main
-from growtrain.expert_shards import is_expert_tensor, slice_state
+from growtrain.model.expert_shards import is_expert_tensor, slice_state
 from growtrain.generate import sample
-from growtrain.hf_export import export_hf
+from growtrain.hf.export import export_hf
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import DenseLoRAConfig, ExpertLoRAConfig
 from growtrain.recipe import to_plain
-from growtrain.tokenizer import CHECKPOINT_TOKENIZER, ByteTokenizer, HFTokenizerFile, tokenizer_identity
+from growtrain.data.tokenizer import CHECKPOINT_TOKENIZER, ByteTokenizer, HFTokenizerFile, tokenizer_identity
 
 pytest.importorskip("transformers")
 pytest.importorskip("bitsandbytes")
@@ -77,7 +77,7 @@ def _bpe_tokenizer(path: Path) -> Path:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([(REPO / "README.md").read_text()], trainer)
+    tok.train_from_iterator(["\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))], trainer)
     tok.save(str(path))
     return path
 
@@ -161,7 +161,7 @@ def exported(tmp_path_factory):
     jobs.append({**jobs[2], "dir": str(root / "out" / "bf16"), "dtype": "bfloat16"})
     refs["bf16"] = refs["moe_sigmoid_shared"]
     # the CLI run: its own trained model (context 48: prompt and continuation stay inside it)
-    from growtrain.checkpoint import resolve
+    from growtrain.checkpoint.store import resolve
     from growtrain.generate import load_model
 
     run_model = load_model(resolve(root / "run", log=lambda s: None))
@@ -388,7 +388,7 @@ def assert_export_holds_the_checkpoints_weights(run_dir: Path, out: Path) -> int
     """Export `run_dir` (a trainer's checkpoint of full-precision experts) and compare every
     exported tensor with the model growtrain itself assembles from that checkpoint: bitwise equal,
     none missing, none extra. Used on real expert-parallel and AF runs (their own test files)."""
-    from growtrain.checkpoint import resolve
+    from growtrain.checkpoint.store import resolve
 
     export_hf(run_dir, out, log=lambda s: None)
     want = {hf_export.hf_name(n): t for n, t in resolve(run_dir, log=lambda s: None).model_state.items()}

@@ -19,8 +19,8 @@ import yaml
 from torch import nn
 
 from conftest import MICRO, assert_same_run, kill_and_resume, losses, metrics_rows, run_cli, train_recipe
-from growtrain.optim import OptimizerConfig, ParamState
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw import OptimizerConfig, ParamState
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import FreshConfig, InvarianceConfig, RecipeError, recipe_from_dict
 from growtrain.stages import transition
 from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs

@@ -27,13 +27,13 @@ import pytest
 import torch
 
 import growtrain.generate as gen
-from growtrain.checkpoint import CheckpointConfig, CheckpointManager
+from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager
 from growtrain.cli import main
 from growtrain.generate import DequantizedBases, TextStream, generate_from_checkpoint, next_token, sample, sample_without_cache, with_dequantized_bases
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import DenseLoRAConfig, ExpertLoRAConfig
 from growtrain.recipe import load_recipe, to_plain
-from growtrain.tokenizer import ByteTokenizer
+from growtrain.data.tokenizer import ByteTokenizer
 from conftest import cli_env
 
 V = 41

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from growtrain.model import GrowLM, ModelConfig
-from growtrain.optim import AdamW
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw import AdamW
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig
 from growtrain.stages import (
     OPERATORS,

@@ -24,7 +24,7 @@ import yaml
 
 from conftest import MICRO, losses
 from growtrain.cli import _user_error_code
-from growtrain.optim import ParamState, decays
+from growtrain.optim.adamw import ParamState, decays
 from growtrain.recipe import load_recipe
 from growtrain.stages import OPERATORS, GrowthCheckFailed
 from growtrain.stages import transition

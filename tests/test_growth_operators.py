@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 from conftest import EXPLORE_FACTOR, default_dtype
 from growtrain.model import GrowLM, ModelConfig
-from growtrain.optim import AdamW, ParamState, clip_grad_norm
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw import AdamW, ParamState, clip_grad_norm
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, load_recipe
 from growtrain.stages import OPERATORS, GrowthCheckFailed, GrowthPlanError, Operator, Provenance, apply_growth, get_operator, plan_stage_models, register
 from growtrain.stages.common import materialize

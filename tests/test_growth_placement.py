@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from conftest import losses, run_cli
-from growtrain.optim import AdamW, OptimizerConfig
-from growtrain.optim8bit import AdamW8bit, Moment8bit
+from growtrain.optim.adamw import AdamW, OptimizerConfig
+from growtrain.optim.adamw8bit import AdamW8bit, Moment8bit
 
 # The micro recipe with its experts quantized right after the upcycling, and 8-bit dense state.
 NF4_8BIT = {
@@ -51,11 +51,12 @@ def test_growth_on_the_host_trains_as_growth_on_the_device_with_nf4_experts_and_
 def test_auto_grows_on_the_host_when_the_planned_peak_is_over_the_device_budget(tmp_path, micro_recipe, monkeypatch, capsys):
     """The auto rule, in-process, with the device's budget made smaller than the plan's peak (on a
     CPU there is none: auto stays in place) for the moe stage only."""
+    import growtrain.stages.placement as placement
     import growtrain.train as train_module
     from growtrain.recipe import load_recipe
 
     budgets = iter([1e3, 1e12])  # moe's growth over it, deep's within
-    monkeypatch.setattr(train_module, "growth_budget_bytes", lambda device: next(budgets))
+    monkeypatch.setattr(placement, "growth_budget_bytes", lambda device: next(budgets))
     train_module.run(load_recipe(micro_recipe()), tmp_path / "auto", resume="never", log=print)
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("growth [") and ": on " in line]
     assert len(said) == 2, said
@@ -90,7 +91,7 @@ def test_the_optimizer_moves_every_state_tensor_packed_8bit_codes_included():
 
 
 def test_a_resume_may_change_where_it_trains_and_grows_but_not_the_cpu_threads():
-    from growtrain.train import _comparable, _recipe_diff
+    from growtrain.checkpoint.resume import comparable as _comparable, recipe_diff as _recipe_diff
 
     base = {"train": {"device": "auto", "grow_on": "auto", "threads": 0}, "stages": []}
     moved = {"train": {"device": "cpu", "grow_on": "host", "threads": 0}, "stages": []}

@@ -143,7 +143,7 @@ def test_the_shipped_recipes_are_their_per_stage_versions_under_one_run_wide_wsd
 
 
 def test_the_half_lr_small_recipe_is_the_shipped_small_recipe_with_only_its_lr_halved():
-    """So the README's half-LR study compares one change: benchmarks/recipes/small-lr1.5e-3.yaml."""
+    """So the half-LR study (docs/results.md) compares one change: benchmarks/recipes/small-lr1.5e-3.yaml."""
     from dataclasses import replace
 
     from growtrain.recipe import load_recipe
@@ -154,7 +154,7 @@ def test_the_half_lr_small_recipe_is_the_shipped_small_recipe_with_only_its_lr_h
 
 
 def test_the_split_noise_tiny_recipe_is_the_shipped_tiny_recipe_with_only_router_noise_on_its_splits():
-    """So the README's split-noise study compares one change: benchmarks/recipes/tiny-split-noise.yaml."""
+    """So the split-noise study (docs/results.md) compares one change: benchmarks/recipes/tiny-split-noise.yaml."""
     from dataclasses import replace
 
     from growtrain.recipe import load_recipe

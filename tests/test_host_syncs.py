@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from growtrain.host_syncs import SyncCounter, per_step_syncs
+from growtrain.runtime.host_syncs import SyncCounter, per_step_syncs
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from host_syncs import recipe as sync_recipe  # noqa: E402  (the benchmark's recipes: one definition)
@@ -55,7 +55,7 @@ def test_train_device_cuda_without_a_gpu_is_a_message(tmp_path, micro_recipe):
 
 
 def test_optimizer_state_from_a_checkpoint_lands_on_the_training_device():
-    from growtrain.train import to_device
+    from growtrain.optim.adamw import to_device
 
     state = {"w": {"step": 3, "exp_avg": torch.ones(2), "lr_mult": torch.full((2,), 0.5), "nested": [torch.zeros(1)]}}
     moved = to_device(state, torch.device("meta"))

@@ -1,4 +1,4 @@
-"""growtrain/memtrace.py, what benchmarks/growth_memory.py reads: off unless GROWTRAIN_MEMORY_TRACE
+"""growtrain/runtime/memtrace.py, what benchmarks/growth_memory.py reads: off unless GROWTRAIN_MEMORY_TRACE
 is set; on, one JSON line per phase with the live tensor bytes at its start and at its peak."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from growtrain import memtrace
+from growtrain.runtime import memtrace
 
 
 def test_a_phase_records_nothing_unless_the_trace_is_on(tmp_path, monkeypatch):
@@ -33,7 +33,7 @@ def test_a_phase_sees_what_it_held_at_its_peak_and_what_was_alive_before(tmp_pat
 
 
 def test_the_live_meter_counts_real_storages_and_not_a_model_built_on_meta():
-    from growtrain.memory import LiveTensorMeter
+    from growtrain.runtime.memory import LiveTensorMeter
     from growtrain.model import GrowLM, ModelConfig
 
     with LiveTensorMeter() as meter:

@@ -31,7 +31,7 @@ from growtrain.kernels.reference import (
     grouped_swiglu_reference_loop,
 )
 from growtrain.kernels.weights import LoRA, NF4Weight
-from growtrain.model import moe as moe_module
+from growtrain.model import expert_backends
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
 from growtrain.model.moe import MoE
 from growtrain.model.nf4 import quantize_stack
@@ -217,8 +217,8 @@ def layer_loss_and_grads(layer: MoE, x_BTD: torch.Tensor, dy_BTD: torch.Tensor, 
 
 
 def with_loop_backends(monkeypatch):
-    monkeypatch.setitem(moe_module.EXPERT_BACKENDS, "reference", grouped_swiglu_reference_loop)
-    monkeypatch.setitem(moe_module.NF4_EXPERT_BACKENDS, "reference", grouped_swiglu_nf4_lora_reference_loop)
+    monkeypatch.setitem(expert_backends.EXPERT_BACKENDS, "reference", grouped_swiglu_reference_loop)
+    monkeypatch.setitem(expert_backends.NF4_EXPERT_BACKENDS, "reference", grouped_swiglu_nf4_lora_reference_loop)
 
 
 @pytest.mark.parametrize("bf16_autocast", [False, True])

@@ -30,7 +30,7 @@ from growtrain.kernels.reference import grouped_swiglu_reference
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import ExpertLoRAConfig
 from growtrain.model.nf4 import MATRICES, NF4Experts, dequantize_stack, quantize_stack
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import OptimizerConfig
 
 

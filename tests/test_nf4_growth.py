@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import ExpertLoRAConfig
 from growtrain.model.nf4 import MATRICES, NF4Experts, dequantize_stack
-from growtrain.optim import AdamW
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw import AdamW
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, recipe_from_dict
 from growtrain.stages import GrowthCheckFailed, GrowthPlanError, apply_growth, get_operator
 from growtrain.stages.operators.experts import CloneExpertsArgs, SplitExpertsArgs

@@ -11,7 +11,7 @@ import torch
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.dense_lora import DenseLoRAConfig, apply_dense_lora
 from growtrain.model.nf4 import MATRICES, NF4Experts
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig, RecipeError, recipe_from_dict
 from growtrain.stages import GrowthPlanError, apply_growth, get_operator
 from growtrain.stages.operators.quantize import MergeAdaptersArgs, QuantizeExpertsArgs

@@ -61,7 +61,7 @@ def test_resume_generate_and_export_build_on_meta_and_never_quantize(reference_r
     import bitsandbytes.functional as bnbf
 
     from conftest import cli_env, run_cli
-    from growtrain.export import export_adapters
+    from growtrain.hf.adapters import export_adapters
     from growtrain.generate import generate_from_checkpoint
     from growtrain.recipe import load_recipe
     from growtrain.train import run

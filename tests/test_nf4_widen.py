@@ -11,7 +11,7 @@ import torch
 
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.nf4 import MATRICES, append_rows_problem, dequantize_stack
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig
 from growtrain.stages import apply_growth, get_operator
 from growtrain.stages.operators.quantize import QuantizeExpertsArgs

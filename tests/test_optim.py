@@ -1,4 +1,4 @@
-"""The name-keyed AdamW (growtrain/optim.py) against its pre-issue-16 self (tests/optim_reference.py):
+"""The name-keyed AdamW (growtrain/optim/adamw.py) against its pre-issue-16 self (tests/optim_reference.py):
 the fused path (float multipliers, int step) within fp32 rounding, since torch's fused kernel orders
 the same formula's roundings differently; the exact path (per-element multipliers and step counts,
 other dtypes) and the clip norm bitwise on CPU, their arithmetic being unchanged; the factory and
@@ -15,9 +15,10 @@ from torch import nn
 
 from optim_reference import reference_clip_grad_norm, reference_step, roundings
 
-from growtrain import optim, recipe
-from growtrain.optim import AdamW, OptimizerConfig, ParamState, clip_grad_norm
-from growtrain.optim_registry import OPTIMIZERS, build_optimizer
+from growtrain import recipe
+from growtrain.optim import adamw as optim
+from growtrain.optim.adamw import AdamW, OptimizerConfig, ParamState, clip_grad_norm
+from growtrain.optim.registry import OPTIMIZERS, build_optimizer
 
 SHAPES = {"w": (64, 48), "bias": (33,), "cube": (7, 5, 3), "head": (300, 32), "one": (1,)}
 
@@ -171,7 +172,7 @@ def test_the_state_dict_keeps_its_layout_and_an_old_one_loads_and_continues():
 
 def test_the_factory_builds_the_class_of_the_configured_state_bits():
     params = make_params()
-    from growtrain.optim8bit import AdamW8bit
+    from growtrain.optim.adamw8bit import AdamW8bit
 
     assert type(build_optimizer(params, OptimizerConfig())) is AdamW
     assert type(build_optimizer(params, OptimizerConfig(dense_state_bits=8))) is AdamW8bit

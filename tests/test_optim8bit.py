@@ -1,4 +1,4 @@
-"""8-bit Adam moments on the dense parts (optimizer.dense_state_bits: 8, growtrain/optim8bit.py):
+"""8-bit Adam moments on the dense parts (optimizer.dense_state_bits: 8, growtrain/optim/adamw8bit.py):
 which tensors get them, steps close to 32-bit AdamW's, bitsandbytes' blockwise update against the
 dequantize / step / requantize update it replaced (tests/optim_reference.py), per-element
 multipliers stepped exactly, checkpoints that load with torch.load(weights_only=True) and continue
@@ -22,9 +22,9 @@ from conftest import MICRO, assert_same_run, cli_env, losses, run_cli
 from optim_reference import reference_step, roundings
 
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
-from growtrain.optim import ParamState
-from growtrain.optim8bit import AdamW8bit, Moment8bit, state_bytes
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.adamw import ParamState
+from growtrain.optim.adamw8bit import AdamW8bit, Moment8bit, state_bytes
+from growtrain.optim.registry import build_optimizer
 from growtrain.recipe import GrowthStep, InvarianceConfig, OptimizerConfig
 from growtrain.stages import apply_growth, get_operator
 from growtrain.stages.operators.quantize import QuantizeExpertsArgs
@@ -253,7 +253,7 @@ def test_a_zero_moment_stays_zero_in_a_block_with_nonzero_ones():
     # code (~2e-5 of the absmax for exp_avg): an element growth adds fresh inside a copied tensor
     # would start with ghost moments, and its first step would be off by up to ~1x the LR.
     from growtrain.kernels.nf4_reference import bitsandbytes_functional
-    from growtrain.optim8bit import BLOCKSIZE, dynamic_map
+    from growtrain.optim.adamw8bit import BLOCKSIZE, dynamic_map
 
     bnbf = bitsandbytes_functional()
     x = torch.zeros(3, BLOCKSIZE)
@@ -273,7 +273,7 @@ def test_a_moved_entry_keeps_its_codes_and_a_bare_float32_copy_is_requantized():
     arrives as new float32 tensors: with its codes and absmax sent along (packed_fields, with_packed)
     it keeps them; without, it is requantized, which is not the identity (a block whose largest
     moment is negative comes back with a smaller absmax)."""
-    from growtrain.optim8bit import packed_fields, with_packed
+    from growtrain.optim.adamw8bit import packed_fields, with_packed
 
     model = moe_model()
     opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(dense_state_bits=8))
@@ -308,7 +308,7 @@ def test_expert_tensors_get_8bit_state_only_where_each_expert_fills_whole_blocks
     """Blocks that never straddle two experts: an expert-parallel rank's slice of the experts then
     holds exactly the codes and absmax one process holds for them; checkpoints keep an expert
     tensor's absmax as [experts, blocks each], cut along the experts with the codes."""
-    from growtrain.expert_shards import slice_state
+    from growtrain.model.expert_shards import slice_state
 
     for hidden, eight in ((64, True), (68, False)):  # 32 x 64 = 8 blocks per expert; 32 x 68 = 8.5
         moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=hidden, router_init_std=0.5)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import cli_env, losses, run_cli, train_recipe
-from growtrain.expert_shards import assemble, is_expert_tensor
+from growtrain.model.expert_shards import assemble, is_expert_tensor
 from test_expert_parallel import EP_RECIPE, STEPS, growtrain_torchrun
 
 RECIPE = copy.deepcopy(EP_RECIPE)

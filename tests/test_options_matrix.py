@@ -1,6 +1,6 @@
 """A sample of benchmarks/options_matrix.py (every operator x layout x expert format x dense state
 x block kind, each a real `growtrain run` killed mid-step and resumed): cells chosen to cover every
-value of every axis but the operators (which the full matrix covers; its table is in the README),
+value of every axis but the operators (which the full matrix covers; its table is in docs/results.md),
 picked among the combinations issue 46 opened: widening NF4 experts, 8-bit state over several
 processes (under residual blocks too), a split of NF4 experts whose children start inside nested
 absmax blocks (their block scales double-quantized again, judged as approximate).

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from growtrain.cli import main
-from growtrain.memory import SavedTensorMeter
+from growtrain.runtime.memory import SavedTensorMeter
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.config import ExpertLoRAConfig
-from growtrain.optim_registry import build_optimizer
+from growtrain.optim.registry import build_optimizer
 from growtrain.planning import (
     PRESETS,
     ROLES,
@@ -28,7 +28,7 @@ from growtrain.planning import (
 from growtrain.recipe import GrowthStep, OptimizerConfig, load_recipe
 from growtrain.stages import get_operator, plan_stage_models
 from growtrain.stages.registry import OPERATORS
-from growtrain.train import forward_loss
+from growtrain.runtime.passes import forward_loss
 
 from conftest import run_cli
 

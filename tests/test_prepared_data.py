@@ -1,4 +1,4 @@
-"""Prepared data (`growtrain prepare-data`, growtrain/prepare.py and shards.py): token shards equal
+"""Prepared data (`growtrain prepare-data`, growtrain/data/prepare.py and growtrain/data/shards.py): token shards equal
 what reading the source at start gives, training on them equals training on the source, resume and
 EP = 2 on them equal the uninterrupted single-process run, each rank reads only its rows, and every
 bad input exits 2 with a message saying what and where."""
@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from conftest import MICRO, assert_same_run, cli_env, losses, run_cli, train_recipe
-from growtrain.data import DataConfig, DataError, TokenArray, TokenStream, eval_batches, load_corpus
-from growtrain.prepare import PrepareOptions, prepare_data
-from growtrain.shards import IN_PROGRESS, MANIFEST, read_manifest
+from growtrain.data.corpus import DataConfig, DataError, TokenArray, TokenStream, eval_batches, load_corpus
+from growtrain.data.prepare import PrepareOptions, prepare_data
+from growtrain.data.shards import IN_PROGRESS, MANIFEST, read_manifest
 
 # The micro recipe's data, prepared with its seed: one buffer, so the same tokens as reading it.
 MICRO_DATA = MICRO["data"]

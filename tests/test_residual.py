@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from conftest import cli_env, losses, run_cli
-from growtrain.hf_export import byte_tokenizer_json, export_hf
+from growtrain.hf.export import byte_tokenizer_json, export_hf
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.recipe import RecipeError, load_recipe
 
@@ -73,7 +73,7 @@ def _write(path: Path, raw: dict) -> Path:
 
 
 def _imported(recipe: Path) -> GrowLM:
-    from growtrain.hf_import import import_state
+    from growtrain.hf.seed_import import import_state
 
     cfg = load_recipe(recipe).model
     model = GrowLM(cfg)
@@ -129,7 +129,7 @@ def test_an_imported_checkpoint_gives_transformers_logits(tmp_path, family):
     assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
     assert load_recipe(recipe).data.tokenizer == str(path)  # its tokenizer became the run's
     # the run-time check (growtrain/train.py runs it at the seed's import): passes here, and catches a broken import
-    from growtrain.hf_import import import_check
+    from growtrain.hf.seed_import import import_check
 
     assert import_check(ours, path, V, 32)["rel_l2"] < 1e-6
     with torch.no_grad():
@@ -249,7 +249,7 @@ def test_export_hf_writes_transformers_own_classes_for_residual_models(upcycled,
     """The grown run (every block MoE, NF4 + LoRA and dense LoRA merged) as Mixtral; a dense model as
     Llama; MoE in one block with a shared expert as Qwen2-MoE; a sigmoid router with a balance bias
     as GLM-4-MoE; logits and greedy generation as growtrain's, no remote code."""
-    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta, resolve
+    from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager, read_meta, resolve
     from growtrain.generate import load_model, sample
     from growtrain.recipe import to_plain
 
@@ -291,7 +291,7 @@ def test_export_hf_writes_transformers_own_classes_for_residual_models(upcycled,
 
 
 def test_a_residual_model_with_a_sigmoid_router_falls_back_to_the_remote_code(upcycled, tmp_path):
-    from growtrain.checkpoint import CheckpointConfig, CheckpointManager, read_meta
+    from growtrain.checkpoint.store import CheckpointConfig, CheckpointManager, read_meta
     from growtrain.recipe import to_plain
 
     root, _, _, _ = upcycled
@@ -333,7 +333,7 @@ def test_a_qwen2_seed_with_qkv_biases_grows_through_the_attention_operators_and_
     """Qwen2's q/k/v biases through the operators that touch attention (deepen, widen_hidden,
     add_heads, peft LoRA on q/k/v/o) with their checks, then transformers' Qwen2MoeForCausalLM with
     the biases and the LoRA merged."""
-    from growtrain.checkpoint import resolve
+    from growtrain.checkpoint.store import resolve
     from growtrain.generate import load_model
 
     path = _hf_checkpoint(tmp_path, "qwen2", initializer_range=0.02)
@@ -414,7 +414,7 @@ def test_residual_blocks_with_plain_autograd_train_and_grow_in_the_af_layout_as_
 
 
 def test_the_shipped_upcycle_recipe_runs_on_a_local_llama_and_exports_as_mixtral(tmp_path):
-    """recipes/upcycle-llama.yaml as the README runs it (`--set model.init_from=PATH`), steps cut short."""
+    """recipes/upcycle-llama.yaml as docs/pretrained.md runs it (`--set model.init_from=PATH`), steps cut short."""
     path = _hf_checkpoint(tmp_path, "llama", initializer_range=0.02)
     short = [f"stages.{i}.{k}={v}" for i in range(3) for k, v in (("steps", 2), ("seq_len", 32), ("batch_size", 4))]
     short += ["schedule.warmup_steps=1", "tracking.wandb.mode=disabled", "train.eval_every=2", "checkpoint.every_steps=2", "invariance.probe_seq_len=32"]

@@ -22,7 +22,7 @@ import yaml
 from torch import nn
 
 from conftest import MICRO, _merge, losses
-from growtrain.memory import SavedTensorMeter
+from growtrain.runtime.memory import SavedTensorMeter
 from growtrain.model import GrowLM, ModelConfig, MoEConfig
 from growtrain.model.reversible import invert_blocks, plain_blocks, reversible_blocks
 from growtrain.recipe import load_recipe

@@ -1,5 +1,5 @@
 """The run-wide learning-rate schedule (top-level `schedule:`, issue 43) and the sibling-divergence
-numbers every stage end reports (growtrain/divergence.py): the LR as a pure function of the run's
+numbers every stage end reports (growtrain/runtime/divergence.py): the LR as a pure function of the run's
 position, continuous through a growth, repeated by a resume; what `validate` refuses; how far
 siblings have moved apart, in metrics.jsonl and `growtrain inspect`."""
 
@@ -14,7 +14,7 @@ import torch
 
 from conftest import MICRO, assert_same_run, kill_and_resume, metrics_rows, run_cli, train_recipe
 
-from growtrain.divergence import layer_divergence, sibling_divergence, sibling_parents
+from growtrain.runtime.divergence import layer_divergence, sibling_divergence, sibling_parents
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig, MoEConfig
 from growtrain.recipe import RecipeError, recipe_from_dict
@@ -198,7 +198,7 @@ def test_tied_pairs_weight_cosines_and_sibling_picks_are_counted_per_pair():
 
 @pytest.mark.parametrize("fmt", ["full", "nf4"])
 def test_weight_cosines_by_sibling_group_and_chunk_match_the_whole_layers_merged_weights(fmt, monkeypatch):
-    import growtrain.divergence as divergence
+    import growtrain.runtime.divergence as divergence
     from growtrain.model.config import ExpertLoRAConfig
 
     moe = MoEConfig(num_experts=6, top_k=2, expert_hidden=64, expert_format=fmt, double_quant=False, lora=ExpertLoRAConfig(r=4, lora_alpha=8.0))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import REPO, cli_env
-from growtrain.expert_shards import is_expert_tensor
+from growtrain.model.expert_shards import is_expert_tensor
 from growtrain.stages import sharding
 from growtrain.stages.streaming import stream_length
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from test_growth_operators import LENIENT, PROBE, moe_config, trained
-from growtrain.optim import ParamState
+from growtrain.optim.adamw import ParamState
 from growtrain.recipe import GrowthStep
 from growtrain.stages import apply_growth, plan_stage_models
 from growtrain.stages.operators.deepen import DeepenArgs

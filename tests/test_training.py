@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import growtrain.train as train_mod
+import growtrain.runtime.passes as passes_mod
 from conftest import REPO, cli_env, losses, run_cli
 from growtrain.recipe import load_recipe
 from growtrain.train import TrainingDiverged, run
@@ -32,7 +32,7 @@ def test_micro_run_learns_and_grows_through_all_stages(micro_recipe, tmp_path):
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops_without_saving_them(micro_recipe, tmp_path, monkeypatch):
-    real = train_mod.forward_loss
+    real = passes_mod.forward_loss
     calls = {"n": 0}
 
     def poisoned(model, x, y, precision):
@@ -42,7 +42,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_without_saving_them(mic
             ce = ce * float("nan")
         return ce, aux, stats
 
-    monkeypatch.setattr(train_mod, "forward_loss", poisoned)
+    monkeypatch.setattr(passes_mod, "forward_loss", poisoned)
     recipe = load_recipe(micro_recipe({"optimizer": {"max_bad_steps": 2}, "checkpoint": {"every_steps": 1}}))
     lines = []
     with pytest.raises(TrainingDiverged, match="3 consecutive non-finite steps at step 8"):
@@ -54,7 +54,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_without_saving_them(mic
 
 
 def test_a_skipped_step_leaves_the_weights_untouched(micro_recipe, tmp_path, monkeypatch):
-    real = train_mod.forward_loss
+    real = passes_mod.forward_loss
     snapshots = []
 
     def poisoned(model, x, y, precision):
@@ -62,7 +62,7 @@ def test_a_skipped_step_leaves_the_weights_untouched(micro_recipe, tmp_path, mon
         ce, aux, stats = real(model, x, y, precision)
         return (ce * float("nan") if len(snapshots) == 2 else ce), aux, stats
 
-    monkeypatch.setattr(train_mod, "forward_loss", poisoned)
+    monkeypatch.setattr(passes_mod, "forward_loss", poisoned)
     recipe = load_recipe(micro_recipe({"stages": [{"name": "only", "steps": 3, "seq_len": 16, "batch_size": 2}]}))
     run(recipe, tmp_path / "run", log=quiet)
     for name in snapshots[1]:

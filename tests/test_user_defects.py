@@ -205,7 +205,7 @@ def test_validate_rejects_non_finite_numbers(tmp_path):
 def _poison_after_step(monkeypatch, at_call: int) -> None:
     """Make the optimizer update of the at_call-th step leave a NaN in a weight, as an overflowing
     LR would (broadcast_dense runs right after every optimizer step)."""
-    from growtrain.distributed import Dist
+    from growtrain.parallel.distributed import Dist
 
     calls = {"n": 0}
     original = Dist.broadcast_dense
@@ -241,10 +241,11 @@ def test_an_update_that_makes_weights_non_finite_stops_the_run_before_any_checkp
 
 def test_a_non_finite_state_is_never_written_even_when_the_step_check_misses_it(tmp_path, monkeypatch):
     from growtrain.recipe import recipe_from_dict
-    from growtrain.train import Run, TrainingDiverged, run
+    import growtrain.train as train_mod
+    from growtrain.train import TrainingDiverged, run
 
     _poison_after_step(monkeypatch, at_call=3)
-    monkeypatch.setattr(Run, "_nonfinite_count", lambda self: torch.zeros((), dtype=torch.float64))
+    monkeypatch.setattr(train_mod, "nonfinite_count", lambda model, dist, device: torch.zeros((), dtype=torch.float64))
     with pytest.raises(TrainingDiverged, match="refusing to checkpoint step 4"):
         run(recipe_from_dict(short_micro()), tmp_path / "run", log=lambda *a, **k: None)
     assert _checkpointed_steps_all_finite(tmp_path / "run") == [2]
@@ -267,7 +268,7 @@ def _write_tokenizer(path: Path, text: str, vocab_size: int = 300) -> None:
 
 def test_relative_data_and_tokenizer_paths_mean_the_recipes_files_from_any_directory(tmp_path):
     project = tmp_path / "project"
-    text = (REPO / "README.md").read_text()
+    text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
     (project / "data").mkdir(parents=True)
     (project / "data" / "corpus.txt").write_text(text)
     _write_tokenizer(project / "tok" / "tokenizer.json", text)
@@ -303,7 +304,7 @@ def test_relative_data_and_tokenizer_paths_mean_the_recipes_files_from_any_direc
 
 
 def test_a_resume_with_another_tokenizer_under_the_same_path_is_refused(tmp_path):
-    text = (REPO / "README.md").read_text()
+    text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
     (tmp_path / "corpus.txt").write_text(text)
     _write_tokenizer(tmp_path / "tokenizer.json", text)
     raw = short_micro(**{"data.source": "corpus.txt", "data.tokenizer": "tokenizer.json", "data.max_bytes": 0})

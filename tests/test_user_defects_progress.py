@@ -16,12 +16,12 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-import growtrain.progress as progress_mod
-import growtrain.train as train_mod
+import growtrain.runtime.progress as progress_mod
+import growtrain.runtime.passes as passes_mod
 from conftest import MICRO
 from growtrain.cli import main
-from growtrain.data import DataConfig, load_corpus
-from growtrain.progress import Progress, stage_step_costs
+from growtrain.data.corpus import DataConfig, load_corpus
+from growtrain.runtime.progress import Progress, stage_step_costs
 from growtrain.recipe import RecipeError, load_recipe
 from growtrain.stages import plan_stage_models
 from growtrain.train import run
@@ -210,7 +210,7 @@ def test_a_stage_prints_lines_between_log_every_steps_when_the_heartbeat_is_due(
 
 
 def interrupt_at(monkeypatch, call: int) -> None:
-    real = train_mod.forward_loss
+    real = passes_mod.forward_loss
     calls = {"n": 0}
 
     def forward(*args):
@@ -219,7 +219,7 @@ def interrupt_at(monkeypatch, call: int) -> None:
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(train_mod, "forward_loss", forward)
+    monkeypatch.setattr(passes_mod, "forward_loss", forward)
 
 
 ONE_STAGE = {"stages": [{"name": "only", "steps": 4, "seq_len": 16, "batch_size": 2}], "checkpoint": {"every_steps": 2}}

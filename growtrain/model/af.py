@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from growtrain.expert_shards import expert_range
+from growtrain.model.expert_shards import expert_range
 from growtrain.model.expert_parallel import CombineMode, all_to_all, chunk_dtype, cut_experts, exchange_counts
 
 

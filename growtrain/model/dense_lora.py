@@ -7,7 +7,7 @@ operator (stages/operators/dense_lora.py) sets it mid-recipe.
 peft renames what it wraps (`f.attn.wq.weight` becomes `f.attn.wq.base_layer.weight`, next to
 `f.attn.wq.lora_A.default.weight` and `...lora_B.default.weight`), so a wrapped model is the last
 form of a model: growth operators refuse it (`refuse_peft_wrapped`), and the experts' own LoRA
-(growtrain/model/nf4.py) is separate from it. Export: growtrain/export.py.
+(growtrain/model/nf4.py) is separate from it. Export: growtrain/hf/adapters.py.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from growtrain.expert_shards import expert_range, is_expert_tensor
+from growtrain.model.expert_shards import expert_range, is_expert_tensor
 
 CombineMode = Literal["overlapped", "serial"]
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from growtrain.model.config import ModelConfig
 from growtrain.model.layers import AttentionBranch, AttentionCache, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
-from growtrain.model.moe import MoE, MoEStats, resolve_expert_backend, update_balance_bias
+from growtrain.model.expert_backends import resolve_expert_backend
+from growtrain.model.moe import MoE, MoEStats, update_balance_bias
 from growtrain.model.reversible import checkpointed_blocks, plain_blocks, reversible_blocks
 
 

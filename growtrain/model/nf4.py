@@ -43,6 +43,7 @@ from growtrain.kernels.nf4_reference import (
     nf4_buffer_shapes,
 )
 from growtrain.model.config import ExpertLoRAConfig
+from growtrain.model.expert_backends import get_expert_backend
 
 MATRICES = ("w_gate", "w_up", "w_down")
 
@@ -402,8 +403,6 @@ class NF4Experts(nn.Module):
     dequantize = None
 
     def forward(self, x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, backend: str = "reference") -> torch.Tensor:
-        from growtrain.model.moe import get_expert_backend
-
         run = get_expert_backend(backend, "nf4")
         if self.dequantize is not None and backend == "reference":
             return run(x_sorted_ND, offsets_E1, self.weights(), dequantize=self.dequantize)
@@ -440,18 +439,3 @@ def state_stack(m: str, state: dict[str, torch.Tensor], rows: int, cols: int) ->
         offset_E=state[f"{m}_offset"].float() if dq else None,
         nested_quant_map=state["nested_quant_map"].float() if dq else None,
     )
-
-
-def fresh_adapters(matrix: str, experts_E: torch.Tensor, d_model: int, hidden: int, r: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) for the experts of global indices `experts_E`, A ~ U(±1/sqrt(d_in)) as
-    `NF4Experts.reset_adapters` draws it, B = 0. Each expert's A comes from a generator of its own
-    keyed by its index (and one draw of the seeded RNG), on the CPU: the same numbers whatever the
-    device and whichever expert-parallel rank draws them (stages/sharding.py). Put on `like`'s
-    device and dtype."""
-    from growtrain.stages.sharding import draw_key, expert_uniform
-
-    d_in, d_out = lora_dims(matrix, d_model, hidden)
-    bound = 1.0 / math.sqrt(d_in)
-    A = (expert_uniform((r, d_in), experts_E, draw_key()) * 2 - 1) * bound
-    B = torch.zeros(len(experts_E), d_out, r)
-    return A.to(device=like.device, dtype=like.dtype), B.to(device=like.device, dtype=like.dtype)

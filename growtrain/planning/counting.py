@@ -130,7 +130,7 @@ def optimizer_state_bytes(model, optimizer_cfg) -> dict[str, int]:
     built on the meta device."""
     import torch
 
-    from growtrain.optim_registry import build_optimizer
+    from growtrain.optim.registry import build_optimizer
 
     with torch.device("meta"):
         opt = build_optimizer(dict(model.named_parameters()), optimizer_cfg)

@@ -3,7 +3,7 @@ gradients, optimizer state and buffers under expert + data parallelism, and the 
 
 Activations: `activation_bytes` lists the tensors autograd saves for backward in GrowLM's forward
 (norms, attention, SwiGLU, router, dispatch, the expert backends, the head and cross-entropy),
-counting a storage once as `growtrain.memory.SavedTensorMeter` does; tests/test_plan.py checks it
+counting a storage once as `growtrain.runtime.memory.SavedTensorMeter` does; tests/test_plan.py checks it
 against the meter on small CPU models. Plain autograd holds every block's; the reversible backward
 holds the two final fp32 streams and the stack's input one, the routing ids and one block's recompute at a time. Non-saved
 transients are a rougher allowance, `workspace`.

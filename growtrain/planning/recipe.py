@@ -27,11 +27,11 @@ def resolve_vocab(recipe) -> int:
     if recipe.model.vocab_size:
         return recipe.model.vocab_size
     if recipe.data.tokenizer == "byte":
-        from growtrain.tokenizer import ByteTokenizer
+        from growtrain.data.tokenizer import ByteTokenizer
 
         return ByteTokenizer.vocab_size
-    from growtrain.data import DataError
-    from growtrain.tokenizer import HFTokenizerFile
+    from growtrain.data.corpus import DataError
+    from growtrain.data.tokenizer import HFTokenizerFile
 
     try:
         return HFTokenizerFile(recipe.data.tokenizer).vocab_size

@@ -65,7 +65,7 @@ def _flops_per_token(cfg, count: ModelCount, seq: int, reversible: bool) -> tupl
 
 def train_flops_per_token(cfg, seq: int) -> float:
     """FLOPs one trained token costs on `cfg` (dense + routed experts, forward + backward and the
-    reversible recompute): the weight the trainer's ETA gives each stage's steps (progress.py)."""
+    reversible recompute): the weight the trainer's ETA gives each stage's steps (runtime/progress.py)."""
     dense, expert, _ = _flops_per_token(cfg, count_model(cfg), seq, cfg.reversible)
     return dense + expert
 

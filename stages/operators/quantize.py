@@ -18,6 +18,7 @@ Both refuse a model wrapped by peft (dense LoRA): its renamed parameters would b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,10 +26,10 @@ import torch
 from growtrain.model import GrowLM
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig
 from growtrain.model.dense_lora import refuse_peft_wrapped
-from growtrain.model.nf4 import MATRICES, fresh_adapters, quantize_stack, stack_state, stored_layout
+from growtrain.model.nf4 import MATRICES, lora_dims, quantize_stack, stack_state, stored_layout
 from growtrain.stages.common import carry, materialize
 from growtrain.stages.registry import Growth, GrowthPlanError, Operator, Provenance, register
-from growtrain.stages.sharding import draw_key, local_range, sub_key
+from growtrain.stages.sharding import draw_key, expert_uniform, local_range, sub_key
 
 
 @dataclass(frozen=True)
@@ -155,3 +156,16 @@ register(
         shards=True,
     )
 )
+
+
+def fresh_adapters(matrix: str, experts_E: torch.Tensor, d_model: int, hidden: int, r: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) for the experts of global indices `experts_E`, A ~ U(±1/sqrt(d_in)) as
+    `NF4Experts.reset_adapters` draws it, B = 0. Each expert's A comes from a generator of its own
+    keyed by its index (and one draw of the seeded RNG), on the CPU: the same numbers whatever the
+    device and whichever expert-parallel rank draws them (stages/sharding.py). Put on `like`'s
+    device and dtype."""
+    d_in, d_out = lora_dims(matrix, d_model, hidden)
+    bound = 1.0 / math.sqrt(d_in)
+    A = (expert_uniform((r, d_in), experts_E, draw_key()) * 2 - 1) * bound
+    B = torch.zeros(len(experts_E), d_out, r)
+    return A.to(device=like.device, dtype=like.dtype), B.to(device=like.device, dtype=like.dtype)

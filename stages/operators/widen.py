@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from growtrain.expert_shards import is_expert_tensor
+from growtrain.model.expert_shards import is_expert_tensor
 from growtrain.model.config import ModelConfig
 from growtrain.model.expert_parallel import shard_experts
 from growtrain.model.nf4 import MATRICES, dequantize_stack, nf4_requantized, stack_state, state_stack

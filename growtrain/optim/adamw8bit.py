@@ -1,5 +1,5 @@
 """8-bit Adam moments for the dense parts (`optimizer.dense_state_bits: 8`): growtrain's name-keyed
-AdamW (growtrain/optim.py), with each selected parameter's two moments stored blockwise-quantized
+AdamW (growtrain/optim/adamw.py), with each selected parameter's two moments stored blockwise-quantized
 as bitsandbytes' 8-bit optimizers store them: blocks of 256, one float32 absmax per block, the
 signed dynamic map for exp_avg and the unsigned one for exp_avg_sq. About 2.03 bytes per parameter
 instead of 8.
@@ -20,8 +20,8 @@ updated in place) with lr·lr_mult, weight_decay·wd_mult and eps·eps_mult. Its
 CPU and pure-PyTorch implementations read; its CUDA kernel is not checked against this yet): the
 same step within fp32 rounding for the same moments (tests/test_optim8bit.py). A tensor with
 per-element multipliers or step counts (grown ones) is dequantized, stepped by growtrain's exact
-element-by-element update (growtrain.optim.adamw_step) and requantized, so DESIGN.md §7's fields
-stay exact; tensors kept in 32 bits step with growtrain.optim.adamw_step as in AdamW.
+element-by-element update (growtrain.optim.adamw.adamw_step) and requantized, so DESIGN.md §7's fields
+stay exact; tensors kept in 32 bits step with growtrain.optim.adamw.adamw_step as in AdamW.
 
 Everything outside the optimizer sees float32 `ParamState`s: `state` is a read-only mapping that
 dequantizes on access, so growth (transition.map_optimizer_state) maps moments as it does for
@@ -41,9 +41,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from growtrain.expert_shards import is_expert_tensor
+from growtrain.model.expert_shards import is_expert_tensor
 from growtrain.kernels.nf4_reference import bitsandbytes_functional
-from growtrain.optim import FUSED_DEVICES, AdamW, ParamState, adamw_step
+from growtrain.optim.adamw import FUSED_DEVICES, AdamW, ParamState, adamw_step
 
 BLOCKSIZE = 256  # bitsandbytes' blockwise optimizer state
 MIN_8BIT_NUMEL = 4096
@@ -129,7 +129,7 @@ class _Float32View(Mapping):
 
 class AdamW8bit(AdamW):
     """AdamW with 8-bit moments on the dense parts (`dense_state_bits: 8`; built by
-    growtrain.optim_registry.build_optimizer)."""
+    growtrain.optim.registry.build_optimizer)."""
 
     state_bits = 8
 
@@ -238,7 +238,7 @@ class AdamW8bit(AdamW):
 # negative code is -0.993, so a block whose largest magnitude is negative comes back with a smaller
 # absmax): a moment that growth carries unchanged, or moves to another rank (ZeRO-1 owners change,
 # a gather and re-shard), must keep its codes, or the 8-bit state would drift at every growth and
-# differ between layouts. The movers (growtrain/distributed.py, stages/sharding.py) send the codes
+# differ between layouts. The movers (growtrain/parallel/distributed.py, stages/sharding.py) send the codes
 # and absmax along (packed_fields / with_packed); whoever rebinds the optimizer keeps them where
 # they still dequantize to exactly the float32 values handed back.
 PACKED = "_growtrain_8bit"
@@ -280,7 +280,7 @@ def with_packed(s: ParamState, fields: dict[str, torch.Tensor]) -> ParamState:
 
 def _absmax_layout(name: str, m: Moment8bit) -> torch.Tensor:
     """A stacked expert tensor's absmax as [E, blocks per expert] in checkpoints: expert-parallel
-    checkpoints cut and join every expert entry along dim 0 (expert_shards.py), the absmax with
+    checkpoints cut and join every expert entry along dim 0 (growtrain/model/expert_shards.py), the absmax with
     the codes. Other tensors' absmax stays flat."""
     E = m.codes.shape[0] if m.codes.ndim else 0
     if is_expert_tensor(name) and E and m.absmax_B.numel() % E == 0 and (m.codes.numel() // E) % BLOCKSIZE == 0:

@@ -18,7 +18,7 @@ What each rank does differently from a single process:
   gathers the full model and optimizer state on every rank, runs the operators and their checks
   identically everywhere (seeded), and re-shards (see `gather_full`);
 - checkpoints: rank 0 writes the dense state; each rank writes its experts' slices and its
-  owned optimizer state into the same checkpoint (growtrain/checkpoint.py, expert_shards.py);
+  owned optimizer state into the same checkpoint (growtrain/checkpoint/store.py, growtrain/model/expert_shards.py);
 - failures: a rank that fails writes its message under `run_dir/.rank-errors/`; the others, whose
   next collective then fails, report that message (or that a peer died) instead of hanging.
 
@@ -54,13 +54,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from growtrain import collective_guard
-from growtrain.expert_shards import is_expert_tensor, slice_entry
+from growtrain.parallel import collective_guard
+from growtrain.model.expert_shards import is_expert_tensor, slice_entry
 from growtrain.model import GrowLM
 from growtrain.model.af import AFGroup, shard_af_model
 from growtrain.model.expert_parallel import EPGroup, shard_experts
-from growtrain.optim import ParamState
-from growtrain.optim8bit import packed_fields, with_packed
+from growtrain.optim.adamw import ParamState
+from growtrain.optim.adamw8bit import packed_fields, with_packed
 from growtrain.recipe import DistributedConfig, RecipeError
 
 
@@ -721,7 +721,7 @@ def _raise_peer_failed(signum, frame):
 
 def _fields(s) -> dict:
     """An optimizer entry's tensors and numbers by name: ParamState's fields, and the 8-bit codes and
-    absmax of a state dequantized from 8-bit moments (growtrain/optim8bit.py), which travel with it."""
+    absmax of a state dequantized from 8-bit moments (growtrain/optim/adamw8bit.py), which travel with it."""
     return {k: getattr(s, k) for k in _STATE_FIELDS} | packed_fields(s)
 
 

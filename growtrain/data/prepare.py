@@ -29,15 +29,15 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from growtrain.data import DataConfig, assign_documents, capped, cut_single_document, read_documents
-from growtrain.durable import fsync_dir, write_synced
-from growtrain.faults import maybe_fault
-from growtrain.run_lock import LOCK_FILE, RunDirLock
-from growtrain.shards import (
+from growtrain.data.corpus import DataConfig, assign_documents, capped, cut_single_document, read_documents
+from growtrain.checkpoint.durable import fsync_dir, write_synced
+from growtrain.runtime.faults import maybe_fault
+from growtrain.checkpoint.run_lock import LOCK_FILE, RunDirLock
+from growtrain.data.shards import (
     DTYPES, IN_PROGRESS, MANIFEST, Manifest, ShardInfo, dtype_for_vocab, is_prepared_dir, is_shard_file, read_manifest,
     shard_name,
 )
-from growtrain.tokenizer import CHECKPOINT_TOKENIZER, DataError, Tokenizer, build_tokenizer, tokenizer_file, tokenizer_identity
+from growtrain.data.tokenizer import CHECKPOINT_TOKENIZER, DataError, Tokenizer, build_tokenizer, tokenizer_file, tokenizer_identity
 
 CHUNK_BYTES = 4 << 20  # text per worker task: large enough that pickling is cheap next to tokenizing
 
@@ -261,7 +261,7 @@ class ProgressLine:
         self.t0 = self._t_last = time.monotonic()
 
     def update(self, text_bytes: int, tokens: int, docs: int, final: bool = False) -> None:
-        from growtrain.tracking import format_duration
+        from growtrain.runtime.tracking import format_duration
 
         now = time.monotonic()
         if not final and now - self._t_last < self.every_s:

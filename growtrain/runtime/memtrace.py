@@ -70,7 +70,7 @@ def phase(stage: str, kind: str, rank: int = 0):
     if not enabled():
         yield
         return
-    from growtrain.memory import LiveTensorMeter
+    from growtrain.runtime.memory import LiveTensorMeter
 
     gc.collect()
     baseline = live_storage_bytes()

@@ -20,7 +20,7 @@ expected one, when
 A CPU run cannot hold a CUDA tensor, so the first rule alone cannot see code that would put a
 CPU-made tensor next to a CUDA one on the node: that part is `factory_calls_without_device`, a
 source check that the collective code builds every tensor on an explicit device (tests run it on
-growtrain/distributed.py and growtrain/model/expert_parallel.py).
+growtrain/parallel/distributed.py and growtrain/model/expert_parallel.py).
 
 Off (the default) nothing is wrapped: no cost at all.
 """

@@ -1,7 +1,7 @@
 """The optimizer a config asks for: `build_optimizer(named_params, cfg)`.
 
 A registry keyed by (cfg.name, cfg.dense_state_bits). It sits in its own module because it names
-both implementations: growtrain/optim.py (AdamW, 32-bit moments) and growtrain/optim8bit.py
+both implementations: growtrain/optim/adamw.py (AdamW, 32-bit moments) and growtrain/optim/adamw8bit.py
 (AdamW8bit, built on AdamW), so neither of those has to import the other lazily.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from growtrain.optim import AdamW, OptimizerConfig
-from growtrain.optim8bit import AdamW8bit
+from growtrain.optim.adamw import AdamW, OptimizerConfig
+from growtrain.optim.adamw8bit import AdamW8bit
 
 OPTIMIZERS: dict[tuple[str, int], type[AdamW]] = {
     ("adamw", 32): AdamW,

@@ -5,7 +5,7 @@ calls: it returns one flat int32 array with EOS after every document, so that a 
 byte tokenizer's `np.frombuffer`) can skip Python-level work per token.
 
 `DataError` lives here, the lowest module of the data path, and is re-exported by
-`growtrain.data`; user-facing data and tokenizer problems raise it (the CLI prints the message,
+`growtrain.data.corpus`; user-facing data and tokenizer problems raise it (the CLI prints the message,
 no traceback).
 """
 

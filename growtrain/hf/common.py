@@ -1,4 +1,4 @@
-"""What both exports (growtrain/hf_export.py: remote code; growtrain/hf_native.py: transformers'
+"""What both exports (growtrain/hf/export.py: remote code; growtrain/hf/native.py: transformers'
 own classes) share: a tensor to write, made a chunk of rows at a time, and the config fields every
 export writes under transformers' names."""
 
@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from growtrain.export import ExportError
+from growtrain.hf.adapters import ExportError
 from growtrain.model.config import ModelConfig
 
 # Rows per chunk are chosen so that a chunk is at most this many bytes at float32: the export's

@@ -34,7 +34,7 @@ _DATA_DEPENDENT = {
     "aten.bincount.default",  # CUDA reads the input's min and max on the host
     "aten.histc.default",  # CUDA reads min and max when no range is given
 }
-_ROOT = str(Path(__file__).resolve().parents[1])
+_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def call_site() -> str:
@@ -44,7 +44,7 @@ def call_site() -> str:
         if not frame.filename.startswith(_ROOT):
             continue
         rel = str(Path(frame.filename).relative_to(_ROOT))
-        if not (rel.endswith("host_syncs.py") or rel.startswith("benchmarks") or "site-packages" in rel):
+        if not (rel.endswith("growtrain/runtime/host_syncs.py") or rel.startswith("benchmarks") or "site-packages" in rel):
             return f"{rel}:{frame.lineno}"
     return "elsewhere"
 

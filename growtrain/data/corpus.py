@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal
 
 import numpy as np
 
-from growtrain.shards import TokenArray, check_tokenizer, is_prepared_dir, open_split, read_manifest
-from growtrain.tokenizer import DataError, Tokenizer, _first_line, build_tokenizer
+from growtrain.data.shards import TokenArray, check_tokenizer, is_prepared_dir, open_split, read_manifest
+from growtrain.data.tokenizer import DataError, Tokenizer, _first_line, build_tokenizer
 
 if TYPE_CHECKING:
     import torch

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from growtrain.hf_common import OutTensor, shape_config
+from growtrain.hf.common import OutTensor, shape_config
 from growtrain.model.config import ModelConfig
 
 

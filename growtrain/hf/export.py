@@ -4,7 +4,7 @@ with nothing but torch and transformers installed (DESIGN.md §16, interop).
 
 What the folder holds:
 - `config.json` (model_type `growlm`, auto_map to the two remote-code files), the self-contained
-  `configuration_growlm.py` and `modeling_growlm.py` (copied from growtrain/hf_remote/);
+  `configuration_growlm.py` and `modeling_growlm.py` (copied from growtrain/hf/remote/);
 - the weights as safetensors, sharded by --max-shard-size with `model.safetensors.index.json`;
   NF4 experts merged, dequantize(base) + scale * B @ A, and peft LoRA on dense layers merged,
   base + scale * B @ A, in the requested dtype (the router stays float32);
@@ -36,16 +36,16 @@ from typing import Callable
 
 import torch
 
-from growtrain.checkpoint import MODEL_FILE, CheckpointError, read_meta
-from growtrain.durable import fsync_dir, fsync_file
-from growtrain.expert_shards import expert_range, is_expert_tensor
-from growtrain.export import ExportError, base_config
-from growtrain.hf_common import OutTensor, shape_config
-from growtrain.hf_native import native_class, native_config, native_tensors
+from growtrain.checkpoint.store import MODEL_FILE, CheckpointError, read_meta
+from growtrain.checkpoint.durable import fsync_dir, fsync_file
+from growtrain.model.expert_shards import expert_range, is_expert_tensor
+from growtrain.hf.adapters import ExportError, base_config
+from growtrain.hf.common import OutTensor, shape_config
+from growtrain.hf.native import native_class, native_config, native_tensors
 from growtrain.model.config import ModelConfig
 from growtrain.model.nf4 import MATRICES
 
-REMOTE_DIR = Path(__file__).parent / "hf_remote"
+REMOTE_DIR = Path(__file__).parent / "remote"
 REMOTE_FILES = ("configuration_growlm.py", "modeling_growlm.py")
 MODEL_TYPE = "growlm"
 ARCHITECTURE = "GrowLMForCausalLM"
@@ -372,7 +372,7 @@ def byte_tokenizer_json() -> str:
 
 def write_tokenizer(out: Path, ckpt: Path, meta: dict, max_positions: int) -> tuple[int, str]:
     """tokenizer.json + tokenizer_config.json; returns (eos id, eos token)."""
-    from growtrain.tokenizer import checkpoint_tokenizer
+    from growtrain.data.tokenizer import checkpoint_tokenizer
 
     tokenizer = checkpoint_tokenizer(ckpt, meta)
     if tokenizer.name == "byte":

@@ -117,7 +117,7 @@ def decays(name: str, p: torch.Tensor) -> bool:
 
 class AdamW:
     """Name-keyed AdamW with 32-bit moments. Build it (or its 8-bit variant) from the config with
-    growtrain.optim_registry.build_optimizer."""
+    growtrain.optim.registry.build_optimizer."""
 
     state_bits = 32  # the cfg.dense_state_bits this class implements
 
@@ -126,7 +126,7 @@ class AdamW:
         if bits != self.state_bits:
             raise ValueError(
                 f"{type(self).__name__} keeps {self.state_bits}-bit moments but the config asks for dense_state_bits={bits}: "
-                "build the optimizer with growtrain.optim_registry.build_optimizer(named_params, cfg)"
+                "build the optimizer with growtrain.optim.registry.build_optimizer(named_params, cfg)"
             )
         self.cfg = cfg
         self.params: dict[str, nn.Parameter] = {}

@@ -85,6 +85,15 @@ class Tracker:
             # An explicit step: W&B silently drops steps lower than the last one it saw.
             self._run.log(metrics, step=step)
 
+    def replay(self, metrics: "MetricsFile") -> None:
+        """On a resume in offline mode: a killed offline run loses what W&B had not flushed, and its
+        resume is a new local run, so the durable history is replayed into it: the new one holds
+        every step (`wandb sync` that one)."""
+        if self.mode != "offline":
+            return
+        for row in metrics.read():
+            self.log_metrics({k: v for k, v in row.items() if k not in ("step", "stage")}, row["step"])
+
     def log_transition(self, stage: str, records: list[dict], step: int) -> None:
         if self._run is None:
             return
@@ -153,7 +162,7 @@ class Console:
             print(line, flush=True)
 
     def advance(self, step: int) -> None:
-        # The ETA is growtrain/progress.py's (weighted by each stage's cost per step).
+        # The ETA is growtrain/runtime/progress.py's (weighted by each stage's cost per step).
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
 

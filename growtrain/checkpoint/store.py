@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from growtrain.durable import fsync_dir, fsync_file, write_synced
-from growtrain.expert_shards import assemble, is_expert_tensor, slice_state
-from growtrain.faults import maybe_fault
+from growtrain.checkpoint.durable import fsync_dir, fsync_file, write_synced
+from growtrain.model.expert_shards import assemble, is_expert_tensor, slice_state
+from growtrain.runtime.faults import maybe_fault
 
 MANIFEST_FORMAT = 1
 MODEL_FILE = "model.safetensors"
@@ -248,7 +248,7 @@ def _step_of(path: Path) -> tuple[int, int] | None:
 
 
 def write_shard_file(path: Path, shard: dict) -> None:
-    """One rank's expert shard (expert_shards.py), fsynced: written by every rank into the
+    """One rank's expert shard (growtrain/model/expert_shards.py), fsynced: written by every rank into the
     temporary dir of a save that rank 0 finishes."""
     _check_plain(shard, "expert shard")
     with open(path, "wb") as f:

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from growtrain.model import GrowLM
 from growtrain.model.config import ModelConfig
 from growtrain.model.nf4 import MATRICES
-from growtrain.tokenizer import CHECKPOINT_TOKENIZER
+from growtrain.data.tokenizer import CHECKPOINT_TOKENIZER
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -183,7 +183,7 @@ def load_base_model(out_dir: Path) -> GrowLM:
 def export_adapters(checkpoint: Path, out_dir: Path, with_base: bool = False, log=print) -> dict:
     """`growtrain export-adapters CHECKPOINT OUT_DIR`: a run directory (its newest complete
     checkpoint) or a checkpoint directory."""
-    from growtrain.checkpoint import resolve
+    from growtrain.checkpoint.store import resolve
 
     loaded = resolve(Path(checkpoint), log)
     cfg = ModelConfig.from_dict(loaded.meta["model_config"])

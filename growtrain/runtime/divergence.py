@@ -161,3 +161,18 @@ def format_line(i: int, n: dict) -> str:
         f"MoE layer {i}: {n['experts']} experts from {n['parents']} parent(s), {n['pairs']} sibling pairs: router cos mean "
         f"{n['router_cos_mean']:.3f} max {n['router_cos_max']:.3f}{weights}, tied {n['tied_pairs']}/{n['pairs']}{topk}"
     )
+
+
+def report_lines(stage_name: str, numbers: dict[int, dict]) -> list[str]:
+    """The console lines of a stage end's sibling numbers, with a warning per layer whose siblings
+    are still tied."""
+    lines = []
+    for i, n in numbers.items():
+        lines.append(f"siblings [{stage_name}]: {format_line(i, n)}")
+        if n["tied_pairs"]:
+            lines.append(
+                f"warning: siblings [{stage_name}]: MoE layer {i} ends the stage with {n['tied_pairs']} of {n['pairs']} sibling "
+                "pairs still tied (same router row and bias: they act as one expert); train longer after the growth (a split's "
+                "children separate as their router rows train), or clone with router_noise"
+            )
+    return lines

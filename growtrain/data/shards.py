@@ -15,7 +15,7 @@ not the corpus. Opening checks each shard's size against the manifest (a truncat
 shard is an error at once); the sha256 are checked by `growtrain check-data`, which reads
 everything.
 
-Imports only numpy and the tokenizer module: `growtrain.data` builds on this, prepare.py on both.
+Imports only numpy and the tokenizer module: `growtrain.data.corpus` builds on this, prepare.py on both.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from growtrain.tokenizer import DataError, Tokenizer, tokenizer_identity
+from growtrain.data.tokenizer import DataError, Tokenizer, tokenizer_identity
 
 MANIFEST = "manifest.json"
 FORMAT = "growtrain-token-shards"
