@@ -393,29 +393,27 @@ def _check(cmd: Command, code: int, output: str) -> str | None:
     return None
 
 
-def test_docs_commands_on_the_shipped_recipes_exit_as_documented(tmp_path, monkeypatch, capsys):
+def _failures(kind: str, tmp_path: Path, run_dir: Path | None, monkeypatch, capsys) -> list[str]:
+    """Every `kind` command of every bash block, each block in a fresh workspace; what failed."""
     failures = []
     for i, block in enumerate(BASH_BLOCKS):
-        cheap = [c for c in commands(block) if c.kind == "cheap"]
-        if not cheap:
+        selected = [c for c in commands(block) if c.kind == kind]
+        if not selected:
             continue
-        root = workspace(tmp_path / f"block{i}", None)
-        for cmd in cheap:
+        root = workspace(tmp_path / f"block{i}", run_dir)
+        if kind == "trained":
+            _tokenizer(root / "tok", "\n\n".join(p.read_text() for p in (root / "corpus").iterdir()))
+        for cmd in selected:
             failures.append(_check(cmd, *execute(cmd, root, monkeypatch, capsys)))
-    failures = [f for f in failures if f]
+    return [f for f in failures if f]
+
+
+def test_docs_commands_on_the_shipped_recipes_exit_as_documented(tmp_path, monkeypatch, capsys):
+    failures = _failures("cheap", tmp_path, None, monkeypatch, capsys)
     assert not failures, "\n\n".join(failures)
 
 
 @pytest.mark.slow
 def test_docs_commands_on_a_trained_run_exit_as_documented(tiny_run, tmp_path, monkeypatch, capsys):
-    failures = []
-    for i, block in enumerate(BASH_BLOCKS):
-        trained = [c for c in commands(block) if c.kind == "trained"]
-        if not trained:
-            continue
-        root = workspace(tmp_path / f"block{i}", tiny_run)
-        _tokenizer(root / "tok", "\n\n".join(p.read_text() for p in (root / "corpus").iterdir()))
-        for cmd in trained:
-            failures.append(_check(cmd, *execute(cmd, root, monkeypatch, capsys)))
-    failures = [f for f in failures if f]
+    failures = _failures("trained", tmp_path, tiny_run, monkeypatch, capsys)
     assert not failures, "\n\n".join(failures)
