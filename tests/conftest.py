@@ -97,6 +97,19 @@ def _merge(base: dict, changes: dict) -> None:
             base[k] = v
 
 
+def write_bpe_tokenizer(path: Path, text: str, vocab_size: int = 300) -> None:
+    """A byte-level BPE tokenizer.json trained on `text` (a user's own tokenizer, as tests need one)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+
+
 def cli_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "GROWTRAIN_"))}
     env.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"})

@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import MICRO, REPO, cli_env, losses, run_cli
+from conftest import MICRO, REPO, cli_env, losses, run_cli, write_bpe_tokenizer
 
 
 def run_in(cwd: Path, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -254,24 +254,12 @@ def test_a_non_finite_state_is_never_written_even_when_the_step_check_misses_it(
 # --- 6. relative paths and tokenizers travel with the run -----------------------------------------
 
 
-def _write_tokenizer(path: Path, text: str, vocab_size: int = 300) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([text], trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path))
-
-
 def test_relative_data_and_tokenizer_paths_mean_the_recipes_files_from_any_directory(tmp_path):
     project = tmp_path / "project"
     text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
     (project / "data").mkdir(parents=True)
     (project / "data" / "corpus.txt").write_text(text)
-    _write_tokenizer(project / "tok" / "tokenizer.json", text)
+    write_bpe_tokenizer(project / "tok" / "tokenizer.json", text)
     raw = short_micro(**{"data.source": "data/corpus.txt", "data.tokenizer": "tok", "data.max_bytes": 0})
     (project / "r.yaml").write_text(yaml.safe_dump(raw))
     # A decoy in the working directory, where the old code looked.
@@ -279,7 +267,7 @@ def test_relative_data_and_tokenizer_paths_mean_the_recipes_files_from_any_direc
     (user / "data").mkdir(parents=True)
     (user / "data" / "corpus.txt").write_text("decoy " * 1000)
     (user / "tok").mkdir()
-    _write_tokenizer(user / "tok" / "tokenizer.json", "decoy decoy other words", vocab_size=280)
+    write_bpe_tokenizer(user / "tok" / "tokenizer.json", "decoy decoy other words", vocab_size=280)
 
     first = run_in(user, "run", "../project/r.yaml", "--out", tmp_path / "run", "--set", "stages.0.steps=4")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -306,12 +294,12 @@ def test_relative_data_and_tokenizer_paths_mean_the_recipes_files_from_any_direc
 def test_a_resume_with_another_tokenizer_under_the_same_path_is_refused(tmp_path):
     text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
     (tmp_path / "corpus.txt").write_text(text)
-    _write_tokenizer(tmp_path / "tokenizer.json", text)
+    write_bpe_tokenizer(tmp_path / "tokenizer.json", text)
     raw = short_micro(**{"data.source": "corpus.txt", "data.tokenizer": "tokenizer.json", "data.max_bytes": 0})
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
     first = run_cli("run", tmp_path / "r.yaml", "--out", tmp_path / "run", "--set", "stages.0.steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
-    _write_tokenizer(tmp_path / "tokenizer.json", text, vocab_size=290)
+    write_bpe_tokenizer(tmp_path / "tokenizer.json", text, vocab_size=290)
     second = run_cli("run", tmp_path / "r.yaml", "--out", tmp_path / "run", "--set", "stages.0.steps=2")
     assert_user_error(second, "is not the file this run was trained with", "tokenizer.json")
 
