@@ -313,6 +313,8 @@ def _short_tiny(out: Path) -> list[str]:
     cuts = [f"stages.{i}.{key}" for i in range(4) for key in ("steps=2", "batch_size=4")] + [
         "schedule.warmup_steps=1", "train.log_every=2", "train.eval_every=2", "train.eval_batches=1",
         "tracking.wandb.mode=disabled",
+        # One checkpoint kept, not six (290 MB): every command the docs run on it reads the latest.
+        "checkpoint.keep_last=1", "checkpoint.keep_stage_ends=false", "checkpoint.after_growth=false",
     ]
     return ["run", "tiny", "--out", str(out), *[a for c in cuts for a in ("--set", c)]]
 
