@@ -15,8 +15,8 @@ A cell is
 
 The recipe: d_model 64, 2 blocks; stage 'dense' (4 steps); stage 'moe' upcycles block 1 into 4
 experts (and quantizes them for the NF4 column); stage 'op' applies the operator under test (4
-steps); checkpoints every 2 steps; residual blocks in the AF layout with model.reversible: false
-(checkpointed ones are not served there yet). The kill step is even, drawn per cell from 4..12 (seeded by the
+steps); checkpoints every 2 steps; residual blocks checkpointed (model.reversible: true, the
+default) in every layout. The kill step is even, drawn per cell from 4..12 (seeded by the
 cell's name), so the step before it always runs twice.
 
     python benchmarks/options_matrix.py                # the full matrix (about 40 min on 2 CPU cores)
@@ -71,9 +71,7 @@ MEANINGLESS = {
     "the experts are already NF4": "quantize_experts on NF4 experts: they are quantized already",
     "no NF4 experts at this point": "merge_adapters on full-precision experts: there are no adapters to merge",
 }
-GAPS = {
-    "residual does not run in the AF layout yet": "checkpointed residual blocks in the AF layout (plain autograd runs there)",
-}
+GAPS: dict[str, str] = {}  # none left: checkpointed residual blocks run in the AF layout since 2026-12-07
 
 
 def classify(reason: str) -> str:
@@ -127,8 +125,6 @@ def recipe(cell: Cell) -> dict:
     }
     if cell.layout == "af11":
         raw["distributed"] = {"layout": "af", "attention_ranks": 1}
-        if cell.block == "residual":  # residual blocks run there with plain autograd (checkpointed ones: GAPS)
-            raw["model"]["reversible"] = False
     return raw
 
 

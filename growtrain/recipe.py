@@ -326,7 +326,7 @@ class DistributedConfig:
             "ranks in two lanes (even and odd ranks, 2+ attention ranks), the expert ranks serving one lane's call while "
             "the other lane computes its attention; the balance loss then takes each lane's load. interleaved: two "
             "micro-batches in flight on every attention rank (a step's grad_accum micro-batches in pairs: grad_accum 2+ "
-            "in every MoE stage, model.reversible on), one computing its attention while the expert ranks serve the "
+            "in every MoE stage, coupling blocks with model.reversible on), one computing its attention while the expert ranks serve the "
             "other's call and take in the next (the transfers overlapping both sides' compute: the planner's AF model); "
             "the co-located run's numbers (docs/scale.md, AF mode)."
         },

@@ -383,23 +383,32 @@ in both layouts."""
         assert a == pytest.approx(b, rel=FP32_RTOL), (step, a, b)
 
 
-def test_checkpointed_residual_blocks_are_refused_in_the_af_layout_with_the_reason(tmp_path):
-    recipe = _write(tmp_path / "r.yaml", {**copy.deepcopy(EP_RESIDUAL), "distributed": {"layout": "af", "attention_ranks": 1}})
-    done = run_cli("validate", recipe, "--world-size", "3")
-    assert done.returncode == 2 and "model.block: residual does not run in the AF layout yet with model.reversible: true" in done.stderr, done.stderr
-    assert "set model.reversible: false" in done.stderr
-    assert run_cli("validate", recipe, "--world-size", "2", "--set", "model.reversible=false").returncode == 0
+def test_residual_blocks_in_the_af_layout_validate_and_only_the_interleaved_schedule_is_refused_with_the_reason(tmp_path):
+    raw = copy.deepcopy(EP_RESIDUAL)
+    raw["distributed"] = {"layout": "af", "attention_ranks": 2}
+    raw["invariance"]["probe_batch_size"] = 4
+    recipe = _write(tmp_path / "r.yaml", raw)
+    for reversible in ("true", "false"):
+        for schedule in ("sequential", "pingpong"):  # 2 + 1 ranks: the ping-pong's lanes need two attention ranks
+            done = run_cli("validate", recipe, "--world-size", "3", "--set", f"model.reversible={reversible}", "--set", f"distributed.af_schedule={schedule}")
+            assert done.returncode == 0, (reversible, schedule, done.stderr)
+    done = run_cli("validate", recipe, "--world-size", "3", "--set", "distributed.af_schedule=interleaved")
+    assert done.returncode == 2 and "interleaved splits the coupling blocks' reversible backward" in done.stderr, done.stderr
+    assert "use af_schedule: sequential or pingpong" in done.stderr
 
 
 @pytest.mark.slow
-def test_residual_blocks_with_plain_autograd_train_and_grow_in_the_af_layout_as_one_process(tmp_path):
+@pytest.mark.parametrize("reversible", [False, True], ids=["plain_autograd", "checkpointed"])
+def test_residual_blocks_train_and_grow_in_the_af_layout_as_one_process(tmp_path, reversible):
     """AF 1 + 1 (NCCL's rules checked on gloo), growth on its shards (upcycle, then split and
-    quantize streamed): the losses follow the one-process run's (measured: bit for bit through the
-    upcycle, within 1.1e-7 after the NF4 split)."""
+    quantize streamed): the losses follow the one-process run's (plain autograd, measured: bit for
+    bit through the upcycle, within 1.1e-7 after the NF4 split). Checkpointed: each recompute's MoE
+    calls fetch their results again without a graph (af.replaying), the backward runs from the
+    forward's calls."""
     from test_expert_parallel import FP32_RTOL, growtrain_torchrun
 
     raw = copy.deepcopy(EP_RESIDUAL)
-    raw["model"]["reversible"] = False
+    raw["model"]["reversible"] = reversible
     raw["train"]["grow_on"] = "auto"
     recipe = _write(tmp_path / "r.yaml", raw)
     one = run_cli("run", recipe, "--out", tmp_path / "one")

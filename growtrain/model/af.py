@@ -31,7 +31,9 @@ gradients, the reversible backward's recompute) and every backward, in their ord
 The schedule (the trainer's `distributed.layout: af`, `af_schedule`). A training pass of one
 micro-batch makes, per MoE block, three calls: the forward (without gradients: the reversible
 stack keeps no activations), the backward's recompute of the block (with gradients) and that
-recompute's backward; an evaluation makes the forward only. The expert ranks run the step by
+recompute's backward; checkpointed residual blocks make the forward (with gradients), the
+recompute's call (without: `replaying`) and the forward's backward; plain autograd the forward
+and its backward; an evaluation makes the forward only. The expert ranks run the step by
 `serve_calls` and nothing else; the attention ranks end each step (and each evaluation) with
 `end_calls`.
 
@@ -256,13 +258,31 @@ class _AttentionSide(torch.autograd.Function):
 
 class InFlight(threading.local):
     """This thread's part in interleaved passes: the hand-over (af_interleaved.Turns) and, during
-    a recompute of G, the list that records its MoE calls."""
+    a recompute of G, the list that records its MoE calls; and whether it is replaying a
+    checkpointed residual block's forward (`replaying`)."""
 
     turns: Any = None
     split: list | None = None
+    replay: bool = False
 
 
 in_flight = InFlight()
+
+
+@contextlib.contextmanager
+def replaying():
+    """Around a checkpointed residual block's recompute (torch.utils.checkpoint's recompute
+    context, model/reversible.py): the block's MoE calls are made again for their results only.
+    The forward's calls were made with gradients and their backward runs from the forward's graph
+    (`_AttentionSide`), so a replayed call asks the expert ranks for a forward without gradients
+    and its results come back as a leaf: the recompute needs the values its saved tensors are cut
+    from, not a second graph the expert ranks would keep and never see a backward for."""
+    before = in_flight.replay
+    in_flight.replay = True
+    try:
+        yield
+    finally:
+        in_flight.replay = before
 
 
 @dataclass
@@ -316,7 +336,9 @@ def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup
     E = counts_E.numel()
     call = next(_ids)
     out_dtype = chunk_dtype(x_sorted_SD)
-    grad = torch.is_grad_enabled() and x_sorted_SD.requires_grad  # a backward will come
+    grad = torch.is_grad_enabled() and x_sorted_SD.requires_grad
+    replay = grad and in_flight.replay  # no backward will come for this call (`replaying`)
+    grad = grad and not replay  # a backward will come
     _header(af, x_sorted_SD.device, (FORWARD, call, layer, int(grad), _DTYPES.index(x_sorted_SD.dtype), _autocast_code(x_sorted_SD.device)))
     counts_WE = exchange_counts(counts_E, af)
     send = [0] * W
@@ -326,6 +348,10 @@ def af_expert_ffn(x_sorted_SD: torch.Tensor, counts_E: torch.Tensor, af: AFGroup
     away = 0.0
     if in_flight.turns is not None:
         y_SD, away = _interleaved_call(x_sorted_SD, af, send, call, out_dtype, grad)
+    elif replay:
+        with torch.no_grad():
+            y_SD = _AttentionSide.apply(x_sorted_SD, af, send, call, out_dtype)
+        y_SD.requires_grad_(True)  # as the forward's were: the ops after it save what they saved then
     else:
         y_SD = _AttentionSide.apply(x_sorted_SD, af, send, call, out_dtype)
     clock.wait_s += time.perf_counter() - t0 - away

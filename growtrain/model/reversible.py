@@ -34,13 +34,14 @@ Legend: B batch, T sequence (or tokens), D d_model, K top-k.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
+from growtrain.model.af import replaying
 from growtrain.model.moe import MoEStats
 
 
@@ -258,7 +259,8 @@ def checkpointed_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats]]:
     """Residual blocks (not invertible) with activation checkpointing: each block keeps its input and
     is recomputed in backward. The recompute reuses the forward's routing, as the reversible
-    backward does, so top-k cannot flip between the two (bf16 noise, GPU nondeterminism)."""
+    backward does, so top-k cannot flip between the two (bf16 noise, GPU nondeterminism). In the
+    AF layout the recompute's MoE calls fetch their results without a graph (af.replaying)."""
     from torch.utils.checkpoint import checkpoint
 
     check_no_dropout(blocks)
@@ -272,7 +274,7 @@ def checkpointed_blocks(
                 routing.append(s.top_k_indices)
             return y1, y2, s
 
-        x1, x2, s = checkpoint(run, x1, x2, use_reentrant=False)
+        x1, x2, s = checkpoint(run, x1, x2, use_reentrant=False, context_fn=lambda: (nullcontext(), replaying()))
         if s is not None:
             stats.append(s)
     return x1, x2, stats

@@ -95,13 +95,6 @@ def world_size_problems(recipe, shapes, world_size: int) -> list[str]:
             f"invariance.probe_batch_size {recipe.invariance.probe_batch_size} is smaller than the {W} ranks "
             "(growth on expert shards checks each rank on its share of the probe rows)"
         )
-    if recipe.model.block == "residual" and recipe.distributed.layout == "af" and recipe.model.reversible:
-        problems.append(
-            "model.block: residual does not run in the AF layout yet with model.reversible: true (checkpointed residual blocks "
-            "keep the forward's graph, which the expert ranks' call protocol, built on coupling blocks' no-grad forward and "
-            "recompute, does not serve); set model.reversible: false (plain autograd: the same losses as one process), use "
-            "distributed.layout: colocated (expert parallelism), or block: coupling"
-        )
     return problems
 
 
@@ -110,7 +103,12 @@ def interleaved_problems(recipe, shapes) -> list[str]:
     of the recipe: the reversible stack (run by hand, split at the MoE calls) and, in every stage
     with MoE layers, two micro-batches per step to pair up."""
     problems = []
-    if not recipe.model.reversible:
+    if recipe.model.block == "residual":
+        problems.append(
+            "distributed.af_schedule: interleaved splits the coupling blocks' reversible backward at its MoE calls, which "
+            "model.block: residual does not have; use af_schedule: sequential or pingpong (checkpointed or plain autograd)"
+        )
+    elif not recipe.model.reversible:
         problems.append("distributed.af_schedule: interleaved runs the reversible stack (model.reversible: true); use sequential or pingpong with plain autograd")
     for stage, shape in zip(recipe.stages, shapes):
         if shape.moe is not None and shape.moe_layers and stage.grad_accum < 2:

@@ -109,8 +109,12 @@ def af_search(cfg, count: ModelCount, acts: Activations, stage, hw: Hardware, pr
     d, e = w.dense, w.experts
     capacity = hw.capacity_bytes * (1 - HEADROOM_TARGET)
     # Activations held: the attention side's share of the saved peak, the expert side's block(s).
-    expert_held = max(acts.block_experts) if cfg.reversible else sum(acts.block_experts)
-    attn_held = max(acts.saved_forward_end, acts.saved_backward_peak - expert_held) if cfg.reversible else acts.saved_peak - expert_held
+    # An expert rank keeps a call's activations until that call's backward: one block's at a time
+    # under the reversible backward (its recompute's call); every block's under plain autograd and
+    # under checkpointed residual blocks, whose forward calls carry the gradients (af.replaying).
+    one_at_a_time = cfg.reversible and getattr(cfg, "block", "coupling") != "residual"
+    expert_held = max(acts.block_experts) if one_at_a_time else sum(acts.block_experts)
+    attn_held = max(acts.saved_forward_end, acts.saved_backward_peak - max(acts.block_experts)) if cfg.reversible else acts.saved_peak - expert_held
     splits = []
     for a in range(1, G):
         x = G - a
