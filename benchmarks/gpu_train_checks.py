@@ -39,6 +39,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,7 +143,9 @@ def part3(out: Path, device: str) -> dict:
     # reference backend: the device run would repeat the reference run, so it is not made.
     parallel = device != "cpu"
     short = not parallel
-    kill_sets = () if parallel else ("--set", f"checkpoint.every_steps={CHECKPOINT_EVERY_CPU}")
+    # The CPU form's killed run keeps its last two checkpoints (and the stage ends), not ten: the
+    # resume reads the last one, and CI machines are short of disk.
+    kill_sets = () if parallel else ("--set", f"checkpoint.every_steps={CHECKPOINT_EVERY_CPU}", "--set", "checkpoint.keep_last=2")
     if parallel:
         # The CPU reference continues the device run from its checkpoint at FORK_AT (a resume may
         # change train.device and the backend, not train.threads): both sides start from one state
@@ -162,6 +165,11 @@ def part3(out: Path, device: str) -> dict:
         # On the CPU, auto is the reference backend: the device run would repeat the reference run.
         ref = main = Run(out / "cpu_fp32", "cpu", "reference", short).wait()
         fork = ref.out / "checkpoints" / f"step-{FORK_AT_CPU:08d}"
+        # Only the fork is read again (the losses come from metrics.jsonl): the reference run's
+        # other checkpoints go, ~0.6 GB of the tiny recipe's.
+        for saved in (ref.out / "checkpoints").glob("step-*"):
+            if saved != fork:
+                shutil.rmtree(saved)
         killed = Run(out / "killed", device, backend, short, fault=f"step_mid:{kill_at - FORK_AT_CPU}",  # the n-th step of this process
                      extra=("--resume", str(fork), *kill_sets))
         host = bf16 = None
