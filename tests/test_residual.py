@@ -388,10 +388,11 @@ def test_residual_blocks_in_the_af_layout_validate_and_only_the_interleaved_sche
     raw["distributed"] = {"layout": "af", "attention_ranks": 2}
     raw["invariance"]["probe_batch_size"] = 4
     recipe = _write(tmp_path / "r.yaml", raw)
-    for reversible in ("true", "false"):
-        for schedule in ("sequential", "pingpong"):  # 2 + 1 ranks: the ping-pong's lanes need two attention ranks
-            done = run_cli("validate", recipe, "--world-size", "3", "--set", f"model.reversible={reversible}", "--set", f"distributed.af_schedule={schedule}")
-            assert done.returncode == 0, (reversible, schedule, done.stderr)
+    # checkpointed (model.reversible: true, the default); plain autograd validates there too (the
+    # slow run test below launches it)
+    for schedule in ("sequential", "pingpong"):  # 2 + 1 ranks: the ping-pong's lanes need two attention ranks
+        done = run_cli("validate", recipe, "--world-size", "3", "--set", f"distributed.af_schedule={schedule}")
+        assert done.returncode == 0, (schedule, done.stderr)
     done = run_cli("validate", recipe, "--world-size", "3", "--set", "distributed.af_schedule=interleaved")
     assert done.returncode == 2 and "interleaved splits the coupling blocks' reversible backward" in done.stderr, done.stderr
     assert "use af_schedule: sequential or pingpong" in done.stderr
