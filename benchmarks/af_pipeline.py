@@ -84,6 +84,9 @@ def worker(out: str) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from growtrain.parallel.distributed import import_before_group
+
+    import_before_group()  # before the group, as the trainer does
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda") if cuda else torch.device("cpu")
     W = dist.get_world_size()

@@ -59,6 +59,9 @@ def worker(args) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    from growtrain.parallel.distributed import import_before_group
+
+    import_before_group()  # before the group, as the trainer does
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda") if cuda else torch.device("cpu")

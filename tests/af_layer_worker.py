@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from growtrain.parallel import collective_guard
+from growtrain.parallel.distributed import import_before_group
 from growtrain.model.af import AFGroup, end_calls, serve_calls, shard_af
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
 from growtrain.model.moe import MoE
@@ -40,6 +41,7 @@ def write_report(out: str, errors: dict[str, float], flags: dict[str, bool], ext
 
 def main(out: str, attention: str, expert_format: str, mode: str = "") -> None:
     drift = mode == "drift"
+    import_before_group()  # before the group, as the trainer does
     dist.init_process_group("gloo")
     guard_on = collective_guard.install_from_env(torch.device("cpu"))  # the test sets GROWTRAIN_CHECK_COLLECTIVES=1
     rank, W = dist.get_rank(), dist.get_world_size()

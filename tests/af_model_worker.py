@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from af_layer_worker import write_report
 from growtrain.parallel import collective_guard
+from growtrain.parallel.distributed import import_before_group
 from growtrain.model.expert_shards import is_expert_tensor
 from growtrain.model import GrowLM
 from growtrain.model.af import AFGroup, end_calls, serve_calls, shard_af_model
@@ -39,6 +40,7 @@ def count_handovers():
 
 
 def main(out: str, attention: str, expert_format: str, precision: str, schedule: str = "sequential") -> None:
+    import_before_group()  # before the group, as the trainer does
     dist.init_process_group("gloo")
     guard_on = collective_guard.install_from_env(torch.device("cpu"))
     rank, W = dist.get_rank(), dist.get_world_size()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from growtrain.parallel import collective_guard
-from growtrain.parallel.distributed import Dist
+from growtrain.parallel.distributed import Dist, import_before_group
 from growtrain.model.expert_shards import slice_entry
 from growtrain.optim.adamw import ParamState
 
@@ -100,6 +100,7 @@ def gather_state(W: int) -> bool:
 
 
 def main(out: str) -> None:
+    import_before_group()  # before the group, as the trainer does
     dist.init_process_group("gloo")
     W = dist.get_world_size()
     on = collective_guard.install_from_env(torch.device("cpu"))

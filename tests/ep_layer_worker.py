@@ -15,12 +15,14 @@ import torch
 import torch.distributed as dist
 
 from growtrain.parallel import collective_guard
+from growtrain.parallel.distributed import import_before_group
 from growtrain.model.config import ExpertLoRAConfig, ModelConfig, MoEConfig
 from growtrain.model.expert_parallel import EPGroup, shard_moe
 from growtrain.model.moe import MoE
 
 
 def main(out: str, routing: str, expert_format: str, precision: str = "fp32") -> None:
+    import_before_group()  # before the group, as the trainer does
     dist.init_process_group("gloo")
     guard_on = collective_guard.install_from_env(torch.device("cpu"))  # the test sets GROWTRAIN_CHECK_COLLECTIVES=1
     rank, W = dist.get_rank(), dist.get_world_size()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from growtrain.parallel import collective_guard
-from growtrain.parallel.distributed import zero1_owners
+from growtrain.parallel.distributed import import_before_group, zero1_owners
 from growtrain.model.expert_shards import is_expert_tensor, slice_entry
 from growtrain.model import GrowLM, ModelConfig
 from growtrain.model.config import MoEConfig
@@ -62,6 +62,7 @@ def main(out: str, ops_json: str, mutation: str, attention: str = "0") -> None:
     W = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0
     if W > 1:
+        import_before_group()  # before the group, as the trainer does
         dist.init_process_group("gloo")
         collective_guard.install_from_env(torch.device("cpu"))  # the test sets GROWTRAIN_CHECK_COLLECTIVES=1
         rank = dist.get_rank()

@@ -74,6 +74,41 @@ def test_importing_the_cli_imports_no_heavy_dependency():
     assert done.stdout.strip() == "", f"importing growtrain.cli imported: {done.stdout.strip()}"
 
 
+def test_commands_that_run_no_model_start_without_torch_dynamo_and_a_process_group_is_joined_after_it():
+    """torch._dynamo costs ~2 s of every start (half of `validate`'s). validate, plan and inspect
+    build meta models only, so they must not import it (model/layers.normal_init_, the lazy mark
+    on the reversible stack). A process joining a process group must import it first: imported
+    inside a gloo job it has aborted a rank at exit (parallel/distributed.import_before_group)."""
+    code = """
+import sys
+import torch.distributed as dist
+from growtrain.cli import main
+from growtrain.model.config import MoEConfig
+from growtrain.planning import count_model
+from growtrain.recipe import load_recipe
+
+for args in (["validate", "recipes/tiny.yaml"], ["validate", "recipes/120b.yaml", "--world-size", "8"], ["plan", "recipes/120b.yaml"]):
+    assert main(args) == 0, args
+cfg = load_recipe("recipes/small.yaml").model.with_changes(vocab_size=256, moe=MoEConfig(num_experts=8, top_k=2), moe_layers=(1,))
+assert count_model(cfg).params_total > 0
+assert "torch._dynamo" not in sys.modules, "a command that runs no model imported torch._dynamo"
+import os
+from growtrain.parallel.distributed import Dist
+from growtrain.recipe import DistributedConfig
+
+def joined(*args, **kwargs):
+    print("dynamo before the group:", "torch._dynamo" in sys.modules)
+    raise SystemExit(0)
+
+dist.init_process_group = joined
+os.environ.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+Dist.from_env(DistributedConfig())
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.strip().endswith("dynamo before the group: True"), done.stdout[-500:]
+
+
 # ---------------------------------------------------------------------------------------------
 # validate / print-config / schema
 

@@ -373,6 +373,11 @@ def test_torch_compile_runs_forward_and_backward_and_matches_eager():
     loss_of(compiled, tok).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert_grads_close(got, want, 1e-5)
+    # The stack is marked disabled for dynamo (lazily): one break around it, the rest compiled.
+    # Unmarked, dynamo traces into the stack and breaks at every data-dependent op (11 graphs).
+    explained = torch._dynamo.explain(model)(tok)
+    assert (explained.graph_count, explained.graph_break_count) == (2, 1), explained.break_reasons
+    assert "marked as skipped" in str(explained.break_reasons[0].reason)
 
 
 @pytest.mark.slow

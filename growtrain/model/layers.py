@@ -20,6 +20,15 @@ from torch import nn
 from growtrain.model.config import ModelConfig
 
 
+def normal_init_(w: torch.Tensor, std: float) -> None:
+    """nn.init.normal_(w, 0, std), skipped on the meta device: a meta tensor holds no values, and
+    torch's meta normal_ imports torch._dynamo (~2 s), which the commands that only build meta
+    models (plan, inspect, validate) would otherwise pay at every start. No random draw is
+    skipped: meta tensors take none from the generator."""
+    if not w.is_meta:
+        nn.init.normal_(w, mean=0.0, std=std)
+
+
 def out_proj_std(config: ModelConfig) -> float:
     """Std of projections that write into a residual stream: two per block add into the streams,
     so scaling by 1/sqrt(2 * n_layers) keeps the stream variance at init independent of depth."""
@@ -89,10 +98,10 @@ class Attention(nn.Module):
 
     def reset_parameters(self) -> None:
         for lin in (self.wq, self.wk, self.wv):
-            nn.init.normal_(lin.weight, mean=0.0, std=self.init_std)
+            normal_init_(lin.weight, self.init_std)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.wo.weight, mean=0.0, std=self.out_std)
+        normal_init_(self.wo.weight, self.out_std)
 
     def forward(self, x_BTD: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         """Causal attention over x; with `cache`, x holds the positions after the cached ones."""
@@ -167,9 +176,9 @@ class SwiGLU(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.w_gate.weight, mean=0.0, std=self.init_std)
-        nn.init.normal_(self.w_up.weight, mean=0.0, std=self.init_std)
-        nn.init.normal_(self.w_down.weight, mean=0.0, std=self.out_std)
+        normal_init_(self.w_gate.weight, self.init_std)
+        normal_init_(self.w_up.weight, self.init_std)
+        normal_init_(self.w_down.weight, self.out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from growtrain.model.config import ModelConfig
-from growtrain.model.layers import AttentionBranch, AttentionCache, FFNBranch, RMSNorm, SwiGLU, compute_dtype, out_proj_std
+from growtrain.model.layers import AttentionBranch, AttentionCache, FFNBranch, RMSNorm, SwiGLU, compute_dtype, normal_init_, out_proj_std
 from growtrain.model.expert_backends import resolve_expert_backend
 from growtrain.model.moe import MoE, MoEStats, update_balance_bias
 from growtrain.model.reversible import checkpointed_blocks, plain_blocks, reversible_blocks
@@ -117,7 +117,10 @@ class GrowLM(nn.Module):
         super().__init__()
         check_config(config)
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        # nn.Embedding draws its own N(0, 1) init, redrawn below: kept where it consumes the generator
+        # (the models a seed builds stay the same), given an empty weight on meta (layers.normal_init_).
+        meta = torch.empty(0).is_meta
+        self.embed = nn.Embedding(config.vocab_size, config.d_model, _weight=torch.empty(config.vocab_size, config.d_model) if meta else None)
         self.blocks = nn.ModuleList(BLOCKS[config.block](config, i) for i in range(config.n_layers))
         self.final_norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -130,8 +133,8 @@ class GrowLM(nn.Module):
             apply_dense_lora(self, config.dense_lora)
 
     def _init_own_weights(self) -> None:
-        nn.init.normal_(self.embed.weight, mean=0.0, std=self.config.init_std)
-        nn.init.normal_(self.lm_head.weight, mean=0.0, std=self.config.init_std)
+        normal_init_(self.embed.weight, self.config.init_std)
+        normal_init_(self.lm_head.weight, self.config.init_std)
 
     def init_weights(self) -> None:
         """Re-run the initialization of every parameter and buffer (e.g. after `to_empty`)."""

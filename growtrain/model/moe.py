@@ -24,7 +24,7 @@ from growtrain.model.config import ModelConfig, MoEConfig
 from growtrain.model.expert_backends import get_expert_backend
 from growtrain.model.expert_parallel import EPGroup, expert_parallel_ffn
 from growtrain.model.af import AFGroup, af_expert_ffn
-from growtrain.model.layers import SwiGLU, compute_dtype, out_proj_std
+from growtrain.model.layers import SwiGLU, compute_dtype, normal_init_, out_proj_std
 from growtrain.model.nf4 import NF4Experts
 
 def _autocast_off(device_type: str):
@@ -75,7 +75,7 @@ class Router(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        normal_init_(self.weight, self.init_std)
         with torch.no_grad():
             self.balance_bias.zero_()
 
@@ -99,9 +99,9 @@ class Experts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.w_gate, mean=0.0, std=self.init_std)
-        nn.init.normal_(self.w_up, mean=0.0, std=self.init_std)
-        nn.init.normal_(self.w_down, mean=0.0, std=self.out_std)
+        normal_init_(self.w_gate, self.init_std)
+        normal_init_(self.w_up, self.init_std)
+        normal_init_(self.w_down, self.out_std)
 
     def forward(self, x_sorted_ND: torch.Tensor, offsets_E1: torch.Tensor, backend: str = "reference") -> torch.Tensor:
         # Reading the parameters here (not in the MoE layer) lets wrappers that re-parametrize them

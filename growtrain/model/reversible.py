@@ -26,8 +26,13 @@ frozen 4-bit bases (no gradient asked for) and blocks inserted by growth need no
   autograd function: the AF layout's interleaved passes (growtrain/model/af_interleaved.py) split
   each MoE block's G backward at its MoE call.
 - torch.compile: dynamo cannot trace this function's backward (it calls autograd.grad on modules),
-  so `reversible_blocks` is marked `torch.compiler.disable`: a compiled model graph-breaks around the
-  block stack, compiles the embedding and the head, and runs the stack eagerly.
+  so `reversible_blocks` is marked disabled for dynamo: a compiled model graph-breaks around the
+  block stack, compiles the embedding and the head, and runs the stack eagerly. The mark is
+  torch's own lazy form (`torch._disable_dynamo`, as torch marks its optimizers): torch._dynamo is
+  imported at the first call, not at import, so the commands that never run a model (validate,
+  plan, inspect) start ~2 s sooner. A process that joins a process group imports torch._dynamo
+  before it does (parallel/distributed.import_before_group): imported later, inside a gloo job, it
+  has aborted a rank at exit.
 
 Legend: B batch, T sequence (or tokens), D d_model, K top-k.
 """
@@ -225,7 +230,7 @@ def stack_plan(blocks: nn.ModuleList) -> tuple[list[nn.Parameter], list[tuple[li
     return params, plan
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def reversible_blocks(
     blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats]]:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import os
 import signal
 import time
@@ -161,6 +162,15 @@ class PeerFailed(Exception):
 _STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "lr_mult", "wd_mult", "eps_mult", "norm_mult")
 
 
+def import_before_group() -> None:
+    """Import torch._dynamo now, before this process joins a process group. The model marks its
+    reversible stack lazily (model/reversible.py) and torch's optimizers import torch._dynamo at
+    their first use; imported then, inside a gloo job, it has aborted a rank at exit ("terminate
+    called without an active exception", seen twice, commit 637dc61). Every process that makes a group calls
+    this first: the trainer (Dist.from_env), and the tests' and benchmarks' workers."""
+    importlib.import_module("torch._dynamo")
+
+
 class Dist:
     """One process's view of the run's processes. `Dist()` is the single-process case."""
 
@@ -194,6 +204,7 @@ class Dist:
         size = int(os.environ.get("WORLD_SIZE", "1"))
         if size == 1:
             return cls()
+        import_before_group()
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
