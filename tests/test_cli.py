@@ -74,12 +74,14 @@ def test_importing_the_cli_imports_no_heavy_dependency():
     assert done.stdout.strip() == "", f"importing growtrain.cli imported: {done.stdout.strip()}"
 
 
-def test_commands_that_run_no_model_start_without_torch_dynamo_and_a_process_group_is_joined_after_it():
-    """torch._dynamo costs ~2 s of every start (half of `validate`'s). validate, plan and inspect
-    build meta models only, so they must not import it (model/layers.normal_init_, the lazy mark
-    on the reversible stack). A process joining a process group must import it first: imported
-    inside a gloo job it has aborted a rank at exit (parallel/distributed.import_before_group)."""
-    code = """
+def test_one_process_never_imports_torch_dynamo_and_a_process_group_is_joined_after_it(micro_recipe, tmp_path):
+    """torch._dynamo costs ~2 s of every start (half of `validate`'s). validate and plan (meta
+    models: model/layers.normal_init_) and a one-process run with growth (the reversible stack's
+    mark is taken only under torch.compile) must not import it. A process joining a process group
+    must import it first: imported inside a gloo job it has aborted a rank at exit
+    (parallel/distributed.import_before_group)."""
+    recipe = micro_recipe()
+    code = f"""
 import sys
 import torch.distributed as dist
 from growtrain.cli import main
@@ -92,6 +94,8 @@ for args in (["validate", "recipes/tiny.yaml"], ["validate", "recipes/120b.yaml"
 cfg = load_recipe("recipes/small.yaml").model.with_changes(vocab_size=256, moe=MoEConfig(num_experts=8, top_k=2), moe_layers=(1,))
 assert count_model(cfg).params_total > 0
 assert "torch._dynamo" not in sys.modules, "a command that runs no model imported torch._dynamo"
+assert main(["run", {str(recipe)!r}, "--out", {str(tmp_path / "run")!r}]) == 0
+assert "torch._dynamo" not in sys.modules, "a one-process run imported torch._dynamo"
 import os
 from growtrain.parallel.distributed import Dist
 from growtrain.recipe import DistributedConfig

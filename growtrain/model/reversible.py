@@ -26,13 +26,13 @@ frozen 4-bit bases (no gradient asked for) and blocks inserted by growth need no
   autograd function: the AF layout's interleaved passes (growtrain/model/af_interleaved.py) split
   each MoE block's G backward at its MoE call.
 - torch.compile: dynamo cannot trace this function's backward (it calls autograd.grad on modules),
-  so `reversible_blocks` is marked disabled for dynamo: a compiled model graph-breaks around the
-  block stack, compiles the embedding and the head, and runs the stack eagerly. The mark is
-  torch's own lazy form (`torch._disable_dynamo`, as torch marks its optimizers): torch._dynamo is
-  imported at the first call, not at import, so the commands that never run a model (validate,
-  plan, inspect) start ~2 s sooner. A process that joins a process group imports torch._dynamo
-  before it does (parallel/distributed.import_before_group): imported later, inside a gloo job, it
-  has aborted a rank at exit.
+  so under a trace `reversible_blocks` calls the stack through a dynamo-disabled form: a compiled
+  model graph-breaks around the block stack, compiles the embedding and the head, and runs the
+  stack eagerly. The form is torch's own lazy mark (`torch._disable_dynamo`), taken only when
+  `torch.compiler.is_compiling()`: torch._dynamo (~2 s of imports) is never loaded by a process
+  that does not compile, so `validate`, `plan`, `inspect` and a one-process run start that much
+  sooner. A process that joins a process group imports it anyway, before it does
+  (parallel/distributed.import_before_group).
 
 Legend: B batch, T sequence (or tokens), D d_model, K top-k.
 """
@@ -230,12 +230,20 @@ def stack_plan(blocks: nn.ModuleList) -> tuple[list[nn.Parameter], list[tuple[li
     return params, plan
 
 
-@torch._disable_dynamo
 def reversible_blocks(
     blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats]]:
     """Run the coupling blocks with the reversible backward. Same results as `plain_blocks`; only
-    the final streams and the MoE routing are kept for the backward."""
+    the final streams and the MoE routing are kept for the backward. Under torch.compile the stack
+    runs eagerly (`_not_traced`, the module docstring); outside a trace nothing touches dynamo."""
+    if torch.compiler.is_compiling():
+        return _not_traced(blocks, x1, x2)
+    return _reversible_blocks(blocks, x1, x2)
+
+
+def _reversible_blocks(
+    blocks: nn.ModuleList, x1: torch.Tensor, x2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[MoEStats]]:
     if len(blocks) == 0:
         return x1, x2, []
     check_no_dropout(blocks)
@@ -245,6 +253,9 @@ def reversible_blocks(
     aux, loads, indices = out[2 : 2 + n], out[2 + n : 2 + 2 * n], out[2 + 2 * n :]
     stats = [MoEStats(aux_loss=a, load=l, top_k_indices=i) for a, l, i in zip(aux, loads, indices)]
     return out[0], out[1], stats
+
+
+_not_traced = torch._disable_dynamo(_reversible_blocks)  # torch's lazy mark: dynamo is imported at its first call
 
 
 def plain_blocks(

@@ -163,11 +163,12 @@ _STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "lr_mult", "wd_mult", "eps_mul
 
 
 def import_before_group() -> None:
-    """Import torch._dynamo now, before this process joins a process group. The model marks its
-    reversible stack lazily (model/reversible.py) and torch's optimizers import torch._dynamo at
-    their first use; imported then, inside a gloo job, it has aborted a rank at exit ("terminate
-    called without an active exception", seen twice, commit 637dc61). Every process that makes a group calls
-    this first: the trainer (Dist.from_env), and the tests' and benchmarks' workers."""
+    """Import torch._dynamo now, before this process joins a process group. growtrain never
+    imports it by itself (model/reversible.py), but torch does at the first use of some functions
+    (torch.utils.checkpoint, torch.optim, random ops on meta tensors), and imported then, inside a
+    gloo job, it has aborted a rank at exit ("terminate called without an active exception", seen
+    twice, commit 637dc61). Every process that makes a group calls this first: the trainer
+    (Dist.from_env), and the tests' and benchmarks' workers."""
     importlib.import_module("torch._dynamo")
 
 
