@@ -27,10 +27,17 @@ demo: setup
 # Two workers, a file at a time (its module fixtures built once), one thread each (tests/conftest.py).
 XDIST := -n 2 --dist loadfile
 
+# The suite starts hundreds of growtrain processes. Where PYTHONDONTWRITEBYTECODE is set (as on
+# this project's machines) none of them caches its bytecode, and each compiles growtrain's own
+# modules again (~0.3 s); compiled here once (only what changed since), they are read instead.
+BYTECODE := $(PY) -m compileall -q growtrain stages kernels evals
+
 test: setup
+	$(BYTECODE)
 	$(PY) -m pytest $(XDIST) --durations=20
 
 test-fast: setup
+	$(BYTECODE)
 	$(PY) -m pytest $(XDIST) -m "not slow"
 
 # The property tests with fresh examples (CI draws the same ones every run), five times as many.
