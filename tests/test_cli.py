@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli_env
 from growtrain.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +96,8 @@ cfg = load_recipe("recipes/small.yaml").model.with_changes(vocab_size=256, moe=M
 assert count_model(cfg).params_total > 0
 assert "torch._dynamo" not in sys.modules, "a command that runs no model imported torch._dynamo"
 assert main(["run", {str(recipe)!r}, "--out", {str(tmp_path / "run")!r}]) == 0
-assert "torch._dynamo" not in sys.modules, "a one-process run imported torch._dynamo"
+assert main(["inspect", {str(tmp_path / "run")!r}]) == 0
+assert "torch._dynamo" not in sys.modules, "a one-process run, or inspect, imported torch._dynamo"
 import os
 from growtrain.parallel.distributed import Dist
 from growtrain.recipe import DistributedConfig
@@ -108,7 +110,7 @@ dist.init_process_group = joined
 os.environ.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
 Dist.from_env(DistributedConfig())
 """
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.strip().endswith("dynamo before the group: True"), done.stdout[-500:]
 

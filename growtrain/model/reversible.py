@@ -29,9 +29,10 @@ frozen 4-bit bases (no gradient asked for) and blocks inserted by growth need no
   so under a trace `reversible_blocks` calls the stack through a dynamo-disabled form: a compiled
   model graph-breaks around the block stack, compiles the embedding and the head, and runs the
   stack eagerly. The form is torch's own lazy mark (`torch._disable_dynamo`), taken only when
-  `torch.compiler.is_compiling()`: torch._dynamo (~2 s of imports) is never loaded by a process
-  that does not compile, so `validate`, `plan`, `inspect` and a one-process run start that much
-  sooner. A process that joins a process group imports it anyway, before it does
+  `torch.compiler.is_compiling()`: outside a trace the stack does not load torch._dynamo (~2 s of
+  imports), so `validate`, `plan`, `inspect` and a one-process run of a full-precision coupling
+  model never load it (bitsandbytes and torch.utils.checkpoint do, where a run uses them). A
+  process that joins a process group imports it before it does
   (parallel/distributed.import_before_group).
 
 Legend: B batch, T sequence (or tokens), D d_model, K top-k.
