@@ -407,11 +407,12 @@ def test_each_120b_growth_fits_where_it_runs_and_one_that_fits_nowhere_fails_the
     assert grown["experts"].growth_peak_bytes_per_rank > 0.9 * hw.capacity_bytes  # why it is on the host
     assert grown["experts"].growth_peak_bytes_per_rank <= 200e9  # the issue's host bound per rank
     assert all(s.growth_on == "" and s.growth_fits for s in big_plan.stages if not s.growth_peak_bytes)
-    # A node with half the host memory: the experts growth fits nowhere, the plan fails and says so.
-    assert main(["plan", str(BIG), "--host-memory-gb", "1000"]) == 1
+    # A node with 600 GB of host memory (67.5 GB per rank less 10%): the experts growth fits nowhere,
+    # the plan fails and says so.
+    assert main(["plan", str(BIG), "--host-memory-gb", "600"]) == 1
     out = capsys.readouterr().out
     assert "(does not fit on the host)" in out
-    small = plan_recipe(load_recipe(BIG), get_hardware("h100-80gb", host_memory_gb=1000))
+    small = plan_recipe(load_recipe(BIG), get_hardware("h100-80gb", host_memory_gb=600))
     assert not small.fits and [s.name for s in small.stages if not s.growth_fits] == ["experts"]
 
 
@@ -420,8 +421,8 @@ def raw_hidden(recipe, stage_index: int) -> int:
     return shapes[stage_index].moe.expert_hidden
 
 
-DEEPEN_RECIPE = """\
-name: deepmem
+EXPERTS_RECIPE = """\
+name: expertsmem
 seed: 1
 model: {d_model: 128, n_layers: 4, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256}
 data: {source: "builtin:pydoc_topics", max_bytes: 60000, eval_fraction: 0.1}
@@ -430,7 +431,7 @@ train: {log_every: 1, eval_every: 100, eval_batches: 1}
 stages:
   - {name: dense, steps: 2, seq_len: 32, batch_size: 4}
   - {name: moe, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: upcycle_moe, num_experts: 4, top_k: 2}]}
-  - {name: deep, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: deepen}]}
+  - {name: experts, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: split_experts, factor: 2}, {op: quantize_experts, r: 4}, {op: deepen}]}
 checkpoint: {every_steps: 100}
 invariance: {probe_batch_size: 2, probe_seq_len: 32}
 tracking: {wandb: {mode: disabled}, progress_bar: false}
@@ -438,20 +439,23 @@ tracking: {wandb: {mode: disabled}, progress_bar: false}
 
 
 @pytest.mark.slow
-def test_deepens_planned_growth_peak_is_above_the_traced_one_and_within_25_percent(tmp_path):
-    """deepen carries every old tensor into the grown model as the same storage: the plan counts
-    the inserted blocks as new memory, not the whole model again (before: 97.6 MiB planned against
-    71.9 traced, 0.74; now 76.6, 0.94). Traced by benchmarks/growth_memory.py in one process."""
+def test_the_120b_orders_planned_growth_peak_is_above_the_traced_one_and_within_10_percent(tmp_path):
+    """The 120B recipe's experts stage at a tiny width: split + quantize streamed, then deepen on the
+    NF4 model. deepen carries every old tensor as the same storage (the plan counts only the
+    inserted blocks as new memory), the stage's first model shares its dense tensors with the later
+    ones, and the checks' probe passes have activations. Traced by benchmarks/growth_memory.py in one
+    process (deterministic: 37.1 MiB against 38.9 planned, 0.955); the plan without the deepen
+    sharing gives 0.85, without the first model's sharing 0.88, without the probe passes 1.015."""
     import subprocess
     import sys
 
     from conftest import REPO, cli_env
 
     recipe = tmp_path / "deep.yaml"
-    recipe.write_text(DEEPEN_RECIPE)
+    recipe.write_text(EXPERTS_RECIPE)
     done = subprocess.run([sys.executable, "benchmarks/growth_memory.py", "--recipe", str(recipe), "--nproc", "1", "--json"],
                           cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["stage"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])["transitions"]}
-    ratio = rows["deep"]["growth_to_plan"]
-    assert 0.75 <= ratio <= 1.0, rows["deep"]
+    ratio = rows["experts"]["growth_to_plan"]
+    assert 0.90 <= ratio <= 1.0, rows["experts"]

@@ -394,6 +394,33 @@ def _carries_whole(unit) -> bool:
     return len(unit) == 1 and unit[0].op == "deepen"
 
 
+# Operators that carry every tensor outside the MoE layers' FFNs as the same storage, with the same
+# optimizer state object (stages/common.carry; quantize_experts carries the routers as well, not
+# counted here).
+_CARRY_OUTSIDE_FFN = ("split_experts", "clone_experts", "quantize_experts")
+
+
+def _carried_names(unit, cfg):
+    """old tensor name -> its name in the model `unit` grows from `cfg`, for the tensors the grown
+    model holds as the same storage (with the same optimizer state object); None for the others.
+    Where an operator is not known to carry a tensor it counts as new: the plan may over-count,
+    never under-count."""
+    from growtrain.stages.operators.deepen import _index_maps, _positions
+    from growtrain.stages.operators.experts import ffn_block
+
+    if _carries_whole(unit):
+        old_to_new, _ = _index_maps(cfg, _positions(cfg, unit[0].args))
+
+        def renamed(name: str) -> str:
+            parts = name.split(".")
+            return ".".join([parts[0], str(old_to_new[int(parts[1])]), *parts[2:]]) if parts[0] == "blocks" else name
+
+        return renamed
+    if all(s.op in _CARRY_OUTSIDE_FFN for s in unit):
+        return lambda name: name if ffn_block(name, cfg) is None else None
+    return lambda name: None
+
+
 # Per-neuron bookkeeping of an operator that marks fresh neurons inside copied expert tensors
 # (drop-upcycling: upcycle_moe with drop_ratio > 0, clone_experts with reinit_fraction > 0), per
 # grown expert neuron (a row of w_gate / w_up, a column of w_down: d_model elements): the
@@ -430,12 +457,15 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     (stages/sharding.py), a rank holds its E/W experts of every model alive at once and the whole
     dense part, with its share of the optimizer state as training keeps it (its experts', and the
     dense entries it owns by ZeRO-1; a dense entry another rank needs travels alone): the stage's first
-    model (kept for the transition's own check), the current operator's old and new model with
-    their state (less the folded experts' state at a later quantize_experts), the new model's
-    per-neuron bookkeeping, the checks' working set (the largest of their one-step and
-    trainability passes, see below), and the probes (`probe`: the invariance probe's batch and
+    model (kept for the transition's own check; what the current model still holds of it as the
+    same storage counted once), the current operator's old and new model with
+    their state (less the folded experts' state at a later quantize_experts, unless the first
+    model holds it), the new model's per-neuron bookkeeping, the checks' working set (the largest
+    of their one-step and trainability passes, see below, and the activations of a forward +
+    backward on the probe), and the probes (`probe`: the invariance probe's batch and
     sequence length; each rank runs its share of the rows): the stage's first, the old and the new
-    model's, plus four logit tensors of the one-step comparison. With `stream` (invariance.stream), a run of split_experts /
+    model's, plus four logit tensors of the one-step comparison. A stage of several steps ends with
+    the transition's own check: the first and the final model, one step of each. With `stream` (invariance.stream), a run of split_experts /
     clone_experts and the quantize_experts after it are one step, applied one MoE layer at a time
     (stages/streaming.py): the old model and the quantized one are alive whole, each operator's
     fp32 experts for one layer (with their quantized copy and the per-layer checks' copies), the
@@ -462,8 +492,29 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         return sum(t.bytes * share(t) for t in count(c).tensors if t.expert_sharded and t.trainable and t.role == "routed_experts")
 
     probe = (-(-probe[0] // ranks), probe[1])  # this rank's rows (stages/sharding.probe_share)
+
+    def probe_pass(*cfgs) -> float:
+        """The checks' forward + backward on this rank's probe rows (fp32): saved activations and
+        the backward's transients, of the larger model."""
+        if not probe[0]:
+            return 0.0
+        acts = [stage_activations(c, probe[0], probe[1], "fp32", ranks) for c in cfgs]
+        return max(a.saved_peak + a.workspace for a in acts)
+
+    def largest_terms(*cfgs) -> float:
+        """step_each: one tensor's optimizer state copy, its update and saved value."""
+        tensors = [t for c in cfgs for t in count(c).tensors]
+        return max((t.optimizer_bytes * share(t) for t in tensors), default=0.0) + 2 * max((t.bytes * share(t) for t in tensors if t.trainable), default=0.0)
+    def held_tensor(t) -> float:
+        return t.bytes * share(t) + t.optimizer_bytes / ranks
+
     peak, cfg, carried = 0.0, cfg_before, 0.0  # carried: per-neuron state fields of the current model
     start = held(cfg_before)
+    # The stage's first model, kept whole for the transition's own check, shares storage (and
+    # optimizer state objects) with the current model where every operator so far carried it:
+    # current name -> that tensor's count in the first model.
+    from_start = {t.name: t for t in count(cfg_before).tensors}
+    units = 0
     j = 0
     while j < len(steps):
         unit = steps[j : j + stream_length(steps, j, stream)]
@@ -482,17 +533,16 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         quantizes = unit[-1].op == "quantize_experts"
         folded = [t for t in count(cfg).tensors if quantizes and t.trainable and t.role == "routed_experts"]
         old_step = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable) - sum(t.bytes * share(t) for t in folded)
-        freed = sum(t.optimizer_bytes * share(t) for t in folded) if j else 0.0
+        # The first model's state of a folded tensor it shares stays alive with it.
+        freed = sum(t.optimizer_bytes * share(t) for t in folded if t.name not in from_start) if j else 0.0
         # The checks' working set (stages/dynamics.py), the largest of: either side's step (the
         # gradients, then the saved weights growing as step_each drops them: one copy of the
         # stepped weights), the trainability pass (gradients and a bool per new element, and, where
         # a zero-initialised factor makes it step, the saved weights next to the next gradients);
         # the optimizer steps one tensor's state copy at a time (step_each), its update and saved
         # copy one more tensor.
-        largest_state = max((t.optimizer_bytes * share(t) for t in new.tensors), default=0.0)
-        largest = max((t.bytes * share(t) for t in new.tensors if t.trainable), default=0.0)
         steps_again = any(s.op in _ZERO_FACTORS for s in unit)
-        work = max(old_step, trainable, (2.25 if steps_again else 1.25) * trainable) + largest_state + 2 * largest
+        work = max(old_step, trainable, (2.25 if steps_again else 1.25) * trainable) + largest_terms(new_cfg) + probe_pass(cfg, new_cfg)
         probes = (probe_bytes(cfg_before, *probe) if j else 0) + probe_bytes(cfg, *probe) + probe_bytes(new_cfg, *probe)
         probes += 4 * 8 * probe[0] * probe[1] * new_cfg.vocab_size
         layer = 0.0
@@ -513,9 +563,25 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         # deepen carries every old tensor into the new model as the same storage (and its optimizer
         # state as the same objects): only the inserted blocks are new memory.
         shared = held(cfg) if _carries_whole(unit) else 0.0
-        alive = (start if j else 0.0) + held(cfg) - freed + carried + held(new_cfg) - shared + book + work + probes + layer
+        # The first model less what the old one holds of it as the same storage.
+        first = start - sum(held_tensor(t) for t in from_start.values()) if j else 0.0
+        alive = first + held(cfg) - freed + carried + held(new_cfg) - shared + book + work + probes + layer
         peak = max(peak, alive)
+        renamed = _carried_names(unit, cfg)
+        from_start = {renamed(n): t for n, t in from_start.items() if renamed(n) is not None}
         cfg, carried = new_cfg, new_carried
         j += len(unit)
+        units += 1
+    if units > 1:
+        # The transition's own check (stages/transition.check_transition): one step of the first
+        # model (its folded experts held whole: no gradient) and one of the final model, with the
+        # probes of both and the one-step comparison's logits.
+        quantized = cfg.moe is not None and cfg.moe.expert_format == "nf4" and not (cfg_before.moe is not None and cfg_before.moe.expert_format == "nf4")
+        first_step = sum(t.bytes * share(t) for t in count(cfg_before).tensors if t.trainable and not (quantized and t.role == "routed_experts"))
+        final_step = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable)
+        work = max(first_step, final_step) + largest_terms(cfg_before, cfg) + probe_pass(cfg_before, cfg)
+        probes = probe_bytes(cfg_before, *probe) + probe_bytes(cfg, *probe) + 4 * 8 * probe[0] * probe[1] * cfg.vocab_size
+        first = start - sum(held_tensor(t) for t in from_start.values())
+        peak = max(peak, first + held(cfg) + carried + work + probes)
     return int(peak)
 
