@@ -125,7 +125,7 @@ def grow_stage(model, optimizer: AdamW, dist: Dist, recipe: Recipe, stage_index:
             outcome = apply_growth(
                 grown_from, state, stage.grow, seed=recipe.seed, stage_index=stage_index, stage_name=stage.name, planned=planned,
                 probe=probe, invariance_cfg=recipe.invariance, optimizer_cfg=recipe.optimizer, lr=recipe.lr(stage_index, 0), log=log,
-                fresh=stage.fresh,
+                fresh=stage.fresh, release_folded=True,  # the optimizer is rebound to the outcome's state below
             )
     except GrowthCheckFailed as exc:
         # Nothing of the failed growth is checkpointed; its report is kept for the post-mortem.

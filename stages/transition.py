@@ -243,6 +243,7 @@ def apply_growth(
     lr: float | None = None,
     log=None,
     fresh=None,
+    release_folded: bool = False,
 ) -> GrowthOutcome:
     """Apply `steps` in order; each is checked, and so is the whole transition (first model vs last,
     where several operators' approximations could add up); the first failure raises GrowthCheckFailed.
@@ -252,7 +253,12 @@ def apply_growth(
     told each streamed layer as it is done (stages/streaming.py), or None. fresh: the stage's
     `fresh` section (recipe.FreshConfig; None: the defaults): the LR multiplier the mapping gives
     fresh elements, which the fresh-state check expects, and with `state: fresh` the optimizer
-    state reset before the first operator."""
+    state reset before the first operator. release_folded: the caller hands `optimizer_state` over
+    (the trainer, which rebinds its optimizer to the outcome's state): before a quantize_experts
+    folds the full-precision experts into NF4 bases, their entries are removed from it (and from
+    the mapped state holding the same objects), since no check or mapping reads them (the checks
+    hold the folded experts whole, the adapters start fresh). At the 120B recipe's experts stage
+    that is the fp32 experts' moments, ~14.5 GB per rank over 8, for the whole stage's growth."""
     fresh_lr_mult = fresh.lr_mult if fresh is not None else 1.0
     if fresh is not None and fresh.state == "fresh":
         optimizer_state = reset_optimizer_state(optimizer_state)
@@ -272,6 +278,7 @@ def apply_growth(
         exact = all(op.is_exact(s.args) for op, s in zip(ops, unit))
         before = after
         streamed = None
+        released = _release_folded(unit, model, optimizer_state, start_state) if release_folded else set()
         if len(unit) == 1:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(growth_seed(seed, stage_index, j))
@@ -322,6 +329,9 @@ def apply_growth(
             else:
                 structure += optimizer_problems(new_model, new_state)
             structure = sharding.union_ranks(structure)
+        unfolded = released - _reset_sources(growth.provenance)
+        if unfolded:  # a state released that the operator still maps: a bug, never train on
+            raise RuntimeError(f"stage {stage_name}: optimizer state released for {sorted(unfolded)[:3]}, which {name} did not fold")
         if j and new_state is not None:
             # What replaced a reset parameter's source holds its values (an expert matrix quantized
             # into its NF4 base): the source's state is used by nothing after the mapping, and the
@@ -525,6 +535,27 @@ def _draw_key(seed: int) -> int:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return sharding.draw_key()
+
+
+def _release_folded(unit, model, state: dict, start_state: dict) -> set[str]:
+    """Where `unit` ends in quantize_experts: the entries of `state` of the model's full-precision
+    routed experts (what the quantization folds into NF4 bases) removed, and the same objects from
+    `start_state` (a carried tensor's state is one object in both); their names. Either may be the
+    8-bit optimizer's view (growtrain/optim/adamw8bit.py), which drops the packed entry; its 8-bit
+    entries are copies when read, so the first model's are kept where it is another mapping."""
+    if unit[-1].op != "quantize_experts":
+        return set()
+    from growtrain.model.nf4 import MATRICES
+    from growtrain.stages.operators.experts import moe_blocks
+
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
+    names = {f"blocks.{b}.g.ffn.experts.{m}" for b in moe_blocks(model.config) for m in MATRICES} & params
+    released = [state.pop(n) for n in names if n in state]  # held until compared: no id is reused meanwhile
+    if start_state is not state:
+        gone = {id(s) for s in released}
+        for n in [n for n, s in start_state.items() if id(s) in gone]:
+            del start_state[n]
+    return names
 
 
 def _reset_sources(provenance: dict[str, Provenance]) -> set[str]:

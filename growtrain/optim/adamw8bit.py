@@ -126,6 +126,15 @@ class _Float32View(Mapping):
     def __len__(self) -> int:
         return len(self._opt._packed)
 
+    def __delitem__(self, name: str) -> None:
+        """Drop an entry (growth releasing the state of experts a quantization folds)."""
+        del self._opt._packed[name]
+
+    def pop(self, name: str) -> ParamState:
+        s = self[name]
+        del self[name]
+        return s
+
 
 class AdamW8bit(AdamW):
     """AdamW with 8-bit moments on the dense parts (`dense_state_bits: 8`; built by

@@ -528,13 +528,13 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         new_carried = neurons * _FRESH_STATE_BYTES if fresh else (0.0 if new_cfg.moe is not None and new_cfg.moe.expert_format == "nf4" else carried)
         trainable = sum(t.bytes * share(t) for t in new.tensors if t.trainable)
         # quantize_experts folds the fp32 experts into NF4 bases ('reset' sources): the checks hold
-        # them whole on the old side (no gradient, saved copy or update), and a transition frees
-        # their state once mapped where it made it (j > 0; the first operator's is the trainer's).
+        # them whole on the old side (no gradient, saved copy or update), and the trainer hands
+        # their state over, which the transition drops before the unit (release_folded), from the
+        # first model's state too where it is the same object.
         quantizes = unit[-1].op == "quantize_experts"
         folded = [t for t in count(cfg).tensors if quantizes and t.trainable and t.role == "routed_experts"]
         old_step = sum(t.bytes * share(t) for t in count(cfg).tensors if t.trainable) - sum(t.bytes * share(t) for t in folded)
-        # The first model's state of a folded tensor it shares stays alive with it.
-        freed = sum(t.optimizer_bytes * share(t) for t in folded if t.name not in from_start) if j else 0.0
+        freed = sum(t.optimizer_bytes * share(t) for t in folded)
         # The checks' working set (stages/dynamics.py), the largest of: either side's step (the
         # gradients, then the saved weights growing as step_each drops them: one copy of the
         # stepped weights), the trainability pass (gradients and a bool per new element, and, where
@@ -567,6 +567,10 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         first = start - sum(held_tensor(t) for t in from_start.values()) if j else 0.0
         alive = first + held(cfg) - freed + carried + held(new_cfg) - shared + book + work + probes + layer
         peak = max(peak, alive)
+        if getattr(optimizer_cfg, "dense_state_bits", 32) == 32:
+            # The first model's entry is the same object as a carried one's, and goes with it (with
+            # 8-bit state the optimizer hands out copies of its packed entries: it stays).
+            start -= sum(t.optimizer_bytes / ranks for t in folded if t.name in from_start)
         renamed = _carried_names(unit, cfg)
         from_start = {renamed(n): t for n, t in from_start.items() if renamed(n) is not None}
         cfg, carried = new_cfg, new_carried

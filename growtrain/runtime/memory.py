@@ -142,6 +142,11 @@ class LiveTensorMeter(TorchDispatchMode):
         self._seen.discard(key)
         self.current -= nbytes
 
+    def outside_freed(self, nbytes: int) -> None:
+        """A storage made before the block was freed inside it: the count goes down (below zero,
+        when nothing made inside is alive)."""
+        self.current -= nbytes
+
 
 def _own_frames() -> list[str]:
     frames, f = [], sys._getframe(2)

@@ -6,8 +6,9 @@ per phase in DIR/rank-R.jsonl. Unset (the normal case), `phase` does nothing.
 Live tensor bytes: the storages alive when the phase starts (found by a scan of the garbage
 collector's objects: model, optimizer state, batches), plus the peak of the storages created
 inside it and still alive (memory.LiveTensorMeter, a dispatch mode that sees every op's output;
-slow, Python per op). Storages freed inside the phase that existed before it are not subtracted,
-so the figure is an upper bound where a phase drops old tensors. Resident memory: the kernel's
+slow, Python per op), less those of the first that were freed inside it before that peak (a
+growth that drops the old experts' optimizer state: each old storage is watched by a weakref
+finalizer while the phase runs). Resident memory: the kernel's
 high-water mark (VmHWM), reset at the phase start (/proc/self/clear_refs), on Linux; None elsewhere.
 """
 
@@ -17,6 +18,7 @@ import gc
 import json
 import os
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,7 +33,12 @@ def enabled() -> bool:
 
 def live_storage_bytes() -> int:
     """Bytes of every distinct storage held by a tensor object alive now (meta tensors excluded)."""
-    seen, total = set(), 0
+    return sum(st.nbytes() for st in live_storages())
+
+
+def live_storages() -> list:
+    """Every distinct non-empty storage held by a tensor object alive now (meta tensors excluded)."""
+    seen, out = set(), []
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":  # type(): no proxy's __class__
             continue
@@ -43,8 +50,8 @@ def live_storage_bytes() -> int:
         if key in seen or st.nbytes() == 0:
             continue
         seen.add(key)
-        total += st.nbytes()
-    return total
+        out.append(st)
+    return out
 
 
 def _reset_hwm() -> None:
@@ -73,12 +80,20 @@ def phase(stage: str, kind: str, rank: int = 0):
     from growtrain.runtime.memory import LiveTensorMeter
 
     gc.collect()
-    baseline = live_storage_bytes()
+    storages = live_storages()
+    baseline = sum(st.nbytes() for st in storages)
     _reset_hwm()
     t0 = time.perf_counter()
     meter = LiveTensorMeter(sites=True)
-    with meter:
-        yield
+    # An old storage freed inside the phase lowers the meter's count (it may go below zero).
+    watches = [weakref.finalize(st, meter.outside_freed, st.nbytes()) for st in storages]
+    del storages
+    try:
+        with meter:
+            yield
+    finally:
+        for w in watches:
+            w.detach()
     record = {
         "stage": stage,
         "phase": kind,
