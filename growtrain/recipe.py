@@ -370,7 +370,7 @@ class InvarianceConfig:
             "operators are checked on that layer (values, output and router change), the composed provenance and the "
             "whole model once (old vs quantized: function, structure, one-step dynamics, trainability). false: each "
             "operator on the whole model with its own whole-model checks (the cloned fp32 model and its optimizer state "
-            "then exist whole: at the 120B recipe's experts stage ~203 GB per rank over 8 instead of ~81 GB)."
+            "then exist whole: at the 120B recipe's experts stage ~203 GB per rank over 8 instead of ~66 GB)."
         },
     )
     dynamics_exact_tol: float = field(

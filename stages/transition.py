@@ -335,9 +335,9 @@ def apply_growth(
         if j and new_state is not None:
             # What replaced a reset parameter's source holds its values (an expert matrix quantized
             # into its NF4 base): the source's state is used by nothing after the mapping, and the
-            # checks hold the source whole. Freed here where this transition made it (at the 120B
-            # recipe's quantize step, per rank, the fp32 experts' moments: ~116 GB); the first
-            # operator's state is the trainer's.
+            # checks hold the source whole. Freed here where this transition made it (the first
+            # operator's state is the trainer's); with release_folded, before the unit, from the
+            # trainer's state too (_release_folded).
             folded = _reset_sources(growth.provenance)
             optimizer_state = {n: s for n, s in optimizer_state.items() if n not in folded}
         if streamed is not None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from test_growth_operators import LENIENT, PROBE, moe_config, trained
+from growtrain.model import GrowLM
 from growtrain.optim.adamw import ParamState
 from growtrain.recipe import GrowthStep
 from growtrain.stages import apply_growth, plan_stage_models
@@ -118,3 +119,43 @@ def test_a_streamed_split_of_a_layer_with_tied_siblings_is_judged_approximate_th
     (note,) = record["inexact_on_these_weights"]  # block 2 has no ties
     assert "block 0" in note and "torch.topk" in note, note
     assert any("not exact on these weights, checked as approximate" in line and "block 0" in line for line in said), said
+
+
+DEEPEN = GrowthStep("deepen", DeepenArgs())
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("steps", [[SPLIT, CLONE, QUANTIZE, DEEPEN], [DEEPEN, SPLIT, QUANTIZE]], ids=["stream_then_deepen", "deepen_then_stream"])
+def test_releasing_the_folded_experts_state_changes_no_result_and_empties_the_trainers_entries(steps, bits):
+    """release_folded (the trainer hands its state over): the fp32 experts' entries a quantization
+    folds leave the trainer's optimizer (its 8-bit view too), and the grown model, its state and
+    every check's figures are what they are without the release."""
+    from test_growth_operators import train_step, tokens
+
+    from growtrain.optim.registry import build_optimizer
+    from growtrain.recipe import OptimizerConfig
+
+    cfg = moe_config(layers=(0, 2), E=4, k=2)
+    planned = plan_stage_models(cfg, [steps])[0]
+    folded = {f"blocks.{b}.g.ffn.experts.{m}" for b in (0, 2) for m in ("w_gate", "w_up", "w_down")}
+    runs = []
+    for release in (False, True):
+        torch.manual_seed(4)
+        model = GrowLM(cfg)
+        opt = build_optimizer(dict(model.named_parameters()), OptimizerConfig(grad_clip=1.0, dense_state_bits=bits))
+        for k in range(3):
+            train_step(model, opt, tokens(seed=100 + k, vocab=cfg.vocab_size))
+        before = set(opt.state)
+        assert folded <= before
+        outcome = apply_growth(model, opt.state, steps, seed=0, stage_index=1, stage_name="g", planned=planned, probe=PROBE, invariance_cfg=FP32,
+                               release_folded=release)  # fmt: skip
+        assert set(opt.state) == (before - folded if release else before)
+        runs.append(outcome)
+    kept, released = runs
+    a, b = kept.model.state_dict(), released.model.state_dict()
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert kept.optimizer_state.keys() == released.optimizer_state.keys()
+    assert [n for n in kept.optimizer_state if not same_state(kept.optimizer_state[n], released.optimizer_state[n])] == []
+    assert [(r["operator"], r["passed"], r["metrics"]["rel_l2"], r["metrics"].get("dynamics", {}).get("rel_l2")) for r in kept.records] == [
+        (r["operator"], r["passed"], r["metrics"]["rel_l2"], r["metrics"].get("dynamics", {}).get("rel_l2")) for r in released.records
+    ]

@@ -505,6 +505,7 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         """step_each: one tensor's optimizer state copy, its update and saved value."""
         tensors = [t for c in cfgs for t in count(c).tensors]
         return max((t.optimizer_bytes * share(t) for t in tensors), default=0.0) + 2 * max((t.bytes * share(t) for t in tensors if t.trainable), default=0.0)
+
     def held_tensor(t) -> float:
         return t.bytes * share(t) + t.optimizer_bytes / ranks
 
