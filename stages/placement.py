@@ -115,6 +115,9 @@ def grow_stage(model, optimizer: AdamW, dist: Dist, recipe: Recipe, stage_index:
         grown_from, state = model, optimizer.state
         if af_shards:  # an attention rank holds empty slices of the expert entries meanwhile
             state = dist.af_growth_state(dict(state), torch.device("cpu") if on_host else device)
+            # The copy holds every entry: the optimizer lets go of them, so that an entry the growth
+            # drops (release_folded) is freed; it is rebound to the outcome's state below.
+            optimizer.state = {}
     else:
         if dist.active:
             unsharded = [s.op for s in stage.grow if not get_operator(s.op).runs_sharded(s.args)]
