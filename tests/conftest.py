@@ -110,22 +110,121 @@ def write_bpe_tokenizer(path: Path, text: str, vocab_size: int = 300) -> None:
     tok.save(str(path))
 
 
+# The environment pytest started with: a variable torch's own imports set later in this process
+# (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR) is not handed on; the child's imports set it alike.
+_STARTED_WITH = frozenset(os.environ)
+
+
 def cli_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "GROWTRAIN_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("WANDB_", "GROWTRAIN_")) and (k in _STARTED_WITH or not k.startswith("TORCHINDUCTOR"))}
     env.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"})
     env.update(extra)
     return env
 
 
 def run_cli(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "growtrain", *map(str, args)],
-        cwd=REPO,
-        env=env or cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_module("growtrain", *args, env=env, timeout=timeout)
+
+
+# The suite's processes start from fork servers (tests/cli_forkserver.py): `python -m growtrain`,
+# torchrun and torchrun's ranks (tests/fork_rank.py) without importing torch afresh each time.
+# GROWTRAIN_FRESH_INTERPRETERS=1 starts every one of them as a fresh interpreter instead.
+FORK_SERVER = os.name == "posix" and os.environ.get("GROWTRAIN_FRESH_INTERPRETERS") != "1"
+_servers: dict[str, tuple[subprocess.Popen, str]] = {}
+
+
+def fork_server(kind: str) -> str | None:
+    """The socket of this test process's fork server `kind` ("base" or "group"), started at its
+    first use; None where there is none."""
+    import tempfile
+    import time
+
+    if not FORK_SERVER:
+        return None
+    proc, path = _servers.get(kind, (None, ""))
+    if proc is None or proc.poll() is not None:
+        path = os.path.join(tempfile.mkdtemp(prefix="growtrain-fork-"), kind)
+        # ranks get torchrun's environment, which sets OMP_NUM_THREADS=1 where it is not set
+        env = cli_env() if kind == "base" else {**cli_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_forkserver.py"), path, kind], cwd=REPO,
+                                env=env, stdin=subprocess.PIPE)  # it ends when this process does
+        _servers[kind] = (proc, path)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+    return path
+
+
+def run_module(module: str, *args, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` as its own process, output captured as text (subprocess.run's
+    CompletedProcess; TimeoutExpired after `timeout`), started by the fork server where it can be.
+    For torchrun (`torch.distributed.run`) give `--no-python`-free args ending in `-m MODULE ...`
+    or `SCRIPT ...`: its ranks start from the `group` server through tests/fork_rank.py."""
+    env = dict(env or cli_env())
+    args = [str(a) for a in args]
+    if module == "torch.distributed.run" and (group := fork_server("group")):
+        at = _torchrun_program(args)
+        args = [*args[:at], str(REPO / "tests" / "fork_rank.py"), *args[at:]]
+        env["GROWTRAIN_TEST_FORKSERVER"] = group
+    return _run_python({"module": module, "args": args}, [sys.executable, "-m", module, *args], env, cwd, timeout)
+
+
+def run_script(script: Path | str, *args, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS`, as run_module runs a module."""
+    args = [str(a) for a in args]
+    return _run_python({"script": str(script), "args": args}, [sys.executable, str(script), *args], dict(env or cli_env()), cwd, timeout)
+
+
+def _run_python(target: dict, cmd: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    import signal
+    import tempfile
+
+    server = fork_server("base")
+    if server is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    from cli_forkserver import Replies, request
+
+    with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        fds = [os.open(os.devnull, os.O_RDONLY), os.open(out, os.O_WRONLY | os.O_CREAT), os.open(err, os.O_WRONLY | os.O_CREAT)]
+        try:
+            conn = request(server, {**target, "cwd": str(cwd), "env": env, "unbuffered": False}, fds)
+        except OSError:  # the server is gone: a fresh interpreter (the next request starts a new server)
+            conn = None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if conn is None:
+            return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        with conn:
+            replies = Replies(conn)
+            first = replies.next()
+            if first.get("fallback"):
+                return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+            done = replies.next(timeout)
+            if done is None:
+                os.kill(first["pid"], signal.SIGKILL)
+                replies.next()
+                raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"), err.read_text(errors="replace"))
+        return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(done["status"]), out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
+
+
+def _torchrun_program(args: list[str]) -> int:
+    """Where the program starts in torchrun's arguments (its `-m` flag, or the script)."""
+    i = 0
+    while args[i] != "-m" and args[i].startswith("-"):
+        i += 2 if args[i] in TORCHRUN_VALUED else 1
+    return i
+
+
+# torchrun's options that take a value (the program is the first argument that is neither an option nor one of these values)
+TORCHRUN_VALUED = {"--nproc-per-node", "--nproc_per_node", "--nnodes", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
+                   "--rdzv_endpoint", "--master-port", "--master_port", "--monitor-interval", "--max-restarts", "--log-dir",
+                   "--redirects", "--tee", "--node-rank", "--master-addr", "--rdzv-id", "--start-method", "--local-addr"}
 
 
 def kill_and_resume(recipe: Path, out: Path, fault: str) -> subprocess.CompletedProcess:

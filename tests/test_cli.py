@@ -5,6 +5,7 @@ exit path or the imported modules matter."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from conftest import cli_env, run_module
 from growtrain.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,9 +22,7 @@ REFERENCE = REPO / "docs" / "recipe-reference.md"
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "growtrain", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    return run_module("growtrain", *args, env=dict(os.environ), timeout=120)
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

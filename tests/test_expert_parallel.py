@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, cli_env, losses, run_cli, train_recipe
+from conftest import REPO, cli_env, losses, run_cli, run_module, train_recipe
 from growtrain.model.expert_shards import assemble, is_expert_tensor, slice_state
 
 # 20 steps: dense → upcycle block 1 into 4 experts → split them into 8 (top-4) and clone them
@@ -68,14 +68,7 @@ def assert_checked(r: subprocess.CompletedProcess, n: int) -> None:
 
 
 def torchrun(n: int, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *map(str, args)],
-        cwd=REPO,
-        env=checked_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    r = run_module("torch.distributed.run", "--standalone", "--nproc-per-node", n, *args, env=checked_env(env), timeout=timeout)
     assert_checked(r, n)
     return r
 

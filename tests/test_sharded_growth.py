@@ -13,14 +13,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, run_module, run_script
 from growtrain.model.expert_shards import is_expert_tensor
 from growtrain.stages import sharding
 from growtrain.stages.streaming import stream_length
@@ -69,8 +67,11 @@ def grow(tmp_path, world: int, ops, mutation: str = "none", attention: int = 0) 
 def _grow(tmp_path, world: int, ops, mutation: str, attention: int) -> list[dict]:
     out = tmp_path / f"ep{world}-{mutation}-{attention}"
     env = {**cli_env(), "GROWTRAIN_CHECK_COLLECTIVES": "1", "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
-    r = subprocess.run([*launcher, str(WORKER), str(out), json.dumps(ops), mutation, str(attention)], cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=300)
+    args = [WORKER, out, json.dumps(ops), mutation, attention]
+    if world == 1:
+        r = run_script(*args, cwd=REPO / "tests", env=env)
+    else:
+        r = run_module("torch.distributed.run", "--standalone", "--nproc-per-node", world, *args, cwd=REPO / "tests", env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return [json.loads((out / f"rank-{k}.json").read_text()) for k in range(world)]
 

@@ -16,13 +16,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import MICRO, REPO, cli_env, losses, run_cli, write_bpe_tokenizer
+from conftest import MICRO, REPO, cli_env, losses, run_cli, run_module, write_bpe_tokenizer
 
 
 def run_in(cwd: Path, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """The CLI run from `cwd` (the user's current directory), not from the repository."""
-    return subprocess.run([sys.executable, "-m", "growtrain", *map(str, args)], cwd=cwd, env=env or cli_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_module("growtrain", *args, cwd=cwd, env=env, timeout=timeout)
 
 
 def short_micro(**changes) -> dict:
