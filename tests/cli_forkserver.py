@@ -31,6 +31,7 @@ import select
 import signal
 import socket
 import sys
+import time
 
 # What torch (or the interpreter) may read at import: a request differing from the server here runs fresh.
 SENSITIVE = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP", "CUDA", "NVIDIA", "LD_", "PYTORCH", "TORCH_LOGS", "TORCHDYNAMO",
@@ -144,8 +145,8 @@ def serve(path: str, preload: str) -> None:
                 del children[conn]
 
 
-def request(path: str, req: dict, fds: list[int]) -> socket.socket | None:
-    """Send a request; returns the connection (its next line is {"pid"}), or None for a fallback."""
+def request(path: str, req: dict, fds: list[int]) -> socket.socket:
+    """Send a request; returns the connection, whose first reply is {"pid"} or {"fallback"}."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     socket.send_fds(conn, [json.dumps(req).encode() + b"\n"], fds)
@@ -160,8 +161,6 @@ class Replies:
 
     def next(self, timeout: float | None = None) -> dict | None:
         """The next reply, or None if none came within `timeout` seconds."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self.pending:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -182,9 +182,12 @@ def _run_python(target: dict, cmd: list[str], env: dict, cwd: Path, timeout: flo
     import signal
     import tempfile
 
+    def fresh() -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
     server = fork_server("base")
     if server is None:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return fresh()
     from cli_forkserver import Replies, request
 
     with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
@@ -193,17 +196,15 @@ def _run_python(target: dict, cmd: list[str], env: dict, cwd: Path, timeout: flo
         try:
             conn = request(server, {**target, "cwd": str(cwd), "env": env, "unbuffered": False}, fds)
         except OSError:  # the server is gone: a fresh interpreter (the next request starts a new server)
-            conn = None
+            return fresh()
         finally:
             for fd in fds:
                 os.close(fd)
-        if conn is None:
-            return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         with conn:
             replies = Replies(conn)
             first = replies.next()
             if first.get("fallback"):
-                return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+                return fresh()
             done = replies.next(timeout)
             if done is None:
                 os.kill(first["pid"], signal.SIGKILL)
