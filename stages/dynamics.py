@@ -395,8 +395,10 @@ def _scratch_step(named: dict, state: dict, opt_cfg, lr: float, saved: dict) -> 
     (its experts, the dense entries it owns): the norm is summed over the ranks, and each dense
     parameter steps where its state is."""
     mine = {n: p for n, p in named.items() if n in state}
-    holders = sharding.dense_holders({n: state[n] for n in mine})
-    norm = sharding.clip_grad_norm(_optimizer(mine, {n: state[n] for n in mine}, opt_cfg), opt_cfg.grad_clip)  # reads the weights only
+    holders = sharding.dense_holders(state, mine)
+    # The clip norm reads each entry's norm multiplier only: one entry at a time, never a copy of
+    # the whole state (8-bit state dequantizes on access).
+    norm = sharding.clip_grad_norm(list(mine.values()), opt_cfg.grad_clip, [state[n].norm_mult for n in mine])
     step_each(named, state, opt_cfg, lr, saved, holders)
     return norm
 

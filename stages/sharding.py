@@ -234,16 +234,14 @@ def count_parameters(model) -> int:
     return dense + int(sum_ranks(float(experts))[0])
 
 
-def clip_grad_norm(opt, max_norm: float) -> float:
-    """`opt.clip_grad_norm(max_norm)` of a model on expert shards, `opt` over this rank's share:
-    its expert shards and the dense parameters whose ZeRO-1 state it holds (their gradients are the
-    same on every rank). Each element's squared gradient is counted once: summed over the ranks."""
-    if not _active():
-        return opt.clip_grad_norm(max_norm)
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, weights: list) -> float:
+    """The run's optimizer's clip_grad_norm of `params`, each weighted by its state's `norm_mult`
+    (optim/adamw.clip_grad_norm_). On expert shards `params` are this rank's share: its expert
+    shards and the dense parameters whose ZeRO-1 state it holds (their gradients are the same on
+    every rank), and each element's squared gradient is counted once: summed over the ranks."""
     from growtrain.optim.adamw import clip_grad_norm_
 
-    names, stored = list(opt.params), opt._stored()
-    return float(clip_grad_norm_([opt.params[n] for n in names], max_norm, [stored[n].norm_mult for n in names], sum_tensor))
+    return float(clip_grad_norm_(params, max_norm, weights, sum_tensor if _active() else None))
 
 
 # ---------------------------------------------------------------- dense optimizer state (ZeRO-1)
@@ -274,16 +272,20 @@ def holds(name: str, owners: dict[str, int] | None) -> bool:
     return owners is None or is_expert_tensor(name) or owners.get(name) == current().rank
 
 
-def dense_holders(state) -> dict[str, tuple[int, dict]] | None:
-    """Which rank holds each dense entry of a ZeRO-1 optimizer state, with its fields' layouts
-    (what a receiver allocates): one object all-gather of names, shapes and dtypes, no tensor.
-    None outside expert shards."""
+def dense_holders(state, names=None) -> dict[str, tuple[int, dict]] | None:
+    """Which rank holds each dense entry of a ZeRO-1 optimizer state (of its entries `names`, or
+    all), with its fields' layouts (what a receiver allocates): one object all-gather of names,
+    shapes and dtypes, no tensor. The entries are read one at a time (8-bit state dequantizes on
+    access). None outside expert shards."""
     if not _active():
         return None
     from growtrain.parallel.distributed import _state_layouts
     from growtrain.model.expert_shards import is_expert_tensor
 
-    mine = _state_layouts({n: s for n, s in state.items() if not is_expert_tensor(n)})
+    mine = {}
+    for n in state if names is None else names:
+        if not is_expert_tensor(n):
+            mine.update(_state_layouts({n: state[n]}))
     table: dict[str, tuple[int, dict]] = {}
     for rank, held in enumerate(gather_objects(mine)):
         for name, layout in held.items():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from growtrain.planning.counting import ModelCount, count_model
 from growtrain.planning.hardware import GIB
@@ -400,14 +400,46 @@ def _carries_whole(unit) -> bool:
 _CARRY_OUTSIDE_FFN = ("split_experts", "clone_experts", "quantize_experts")
 
 
-def _carried_names(unit, cfg):
+# Operators that carry every tensor they leave unchanged as the same storage, with the same optimizer
+# state object (stages/common.carry): upcycling all but the upcycled FFNs and the new routers,
+# add_heads all but the attention matrices that gain heads, widen_ffn all but the FFN matrices that
+# widen, add_dense_lora every tensor (a wrapped Linear's weight under `base_layer`, frozen: the grown
+# model holds no state for it).
+_CARRY_UNCHANGED = ("upcycle_moe", "add_heads", "widen_ffn", "add_dense_lora")
+
+
+def _unchanged(old, new: dict):
+    """old tensor name -> the grown model's tensor of the same name (a Linear's weight moved under
+    peft's `base_layer` as well) and the same size and storage, or None."""
+
+    def renamed(name: str):
+        head, _, leaf = name.rpartition(".")
+        t = old.get(name)
+        for candidate in (name, f"{head}.base_layer.{leaf}"):
+            c = new.get(candidate)
+            if t is not None and c is not None and (c.params, c.bytes, c.storage) == (t.params, t.bytes, t.storage):
+                return candidate
+        return None
+
+    return renamed
+
+
+def _carried_names(unit, cfg, old: dict | None = None, new: dict | None = None):
     """old tensor name -> its name in the model `unit` grows from `cfg`, for the tensors the grown
     model holds as the same storage (with the same optimizer state object); None for the others.
+    old, new: name -> TensorInfo of the two models (needed for _CARRY_UNCHANGED's operators).
     Where an operator is not known to carry a tensor it counts as new: the plan may over-count,
     never under-count."""
     from growtrain.stages.operators.deepen import _index_maps, _positions
     from growtrain.stages.operators.experts import ffn_block
 
+    if len(unit) == 1 and unit[0].op in _CARRY_UNCHANGED and old is not None and new is not None:
+        if unit[0].op == "widen_ffn" and cfg.moe is not None and cfg.moe.expert_format == "nf4":
+            # NF4 experts that widen are rebuilt whole (their quantization constants too)
+            widens = unit[0].args.expert_hidden not in (0, cfg.moe.expert_hidden)
+            same = _unchanged(old, new)
+            return lambda name: None if widens and ffn_block(name, cfg) is not None and ".experts." in name else same(name)
+        return _unchanged(old, new)
     if _carries_whole(unit):
         old_to_new, _ = _index_maps(cfg, _positions(cfg, unit[0].args))
 
@@ -437,6 +469,11 @@ _FRESH_STATE_BYTES = 4 + 4 + 4
 _ZERO_FACTORS = ("deepen", "quantize_experts", "add_dense_lora", "add_heads")
 
 
+def _starts_a_zero_factor(step) -> bool:
+    """widen_ffn's `zero` init too: new gate/up rows next to zero down-projection columns."""
+    return step.op in _ZERO_FACTORS or (step.op == "widen_ffn" and getattr(step.args, "init", "") == "zero")
+
+
 def _marks_fresh(step) -> bool:
     args = step.args
     return (step.op == "upcycle_moe" and getattr(args, "drop_ratio", 0) > 0) or (step.op == "clone_experts" and getattr(args, "reinit_fraction", 0) > 0)
@@ -459,8 +496,9 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     dense entries it owns by ZeRO-1; a dense entry another rank needs travels alone): the stage's first
     model (kept for the transition's own check; what the current model still holds of it as the
     same storage counted once), the current operator's old and new model with
-    their state (less the folded experts' state at a later quantize_experts, unless the first
-    model holds it), the new model's per-neuron bookkeeping, the checks' working set (the largest
+    their state (the tensors it carries unchanged, deepen's and _CARRY_UNCHANGED's, once; less the
+    folded experts' state at a later quantize_experts, unless the first model holds it; with 8-bit
+    dense state every model growth makes holds float32 state), the new model's per-neuron bookkeeping, the checks' working set (the largest
     of their one-step and trainability passes, see below, and the activations of a forward +
     backward on the probe), and the probes (`probe`: the invariance probe's batch and
     sequence length; each rank runs its share of the rows): the stage's first, the old and the new
@@ -482,11 +520,22 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     def count(c):
         return counts.get(c) or counts.setdefault(c, count_model(c, optimizer_cfg))
 
+    # With 8-bit dense state, growth reads the optimizer's entries through its float32 view and maps
+    # them into float32 entries (optim/adamw8bit.py): every model growth makes holds its state at 32
+    # bits until the trainer packs it again, and no entry is shared with the optimizer's.
+    packed = getattr(optimizer_cfg, "dense_state_bits", 32) != 32
+    counts32: dict = {}
+
+    def count32(c):
+        if not packed:
+            return count(c)
+        return counts32.get(c) or counts32.setdefault(c, count_model(c, replace(optimizer_cfg, dense_state_bits=32)))
+
     def share(t) -> float:
         return 1.0 / ranks if t.expert_sharded else 1.0
 
-    def held(c) -> float:  # the optimizer state is sharded whole: experts by expert, dense entries by ZeRO-1 owner
-        return sum(t.bytes * share(t) + t.optimizer_bytes / ranks for t in count(c).tensors)
+    def held(c, mapped: bool = False) -> float:  # the optimizer state is sharded whole: experts by expert, dense entries by ZeRO-1 owner
+        return sum(t.bytes * share(t) + t.optimizer_bytes / ranks for t in (count32(c) if mapped else count(c)).tensors)
 
     def expert_weights(c) -> float:
         return sum(t.bytes * share(t) for t in count(c).tensors if t.expert_sharded and t.trainable and t.role == "routed_experts")
@@ -506,8 +555,8 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         tensors = [t for c in cfgs for t in count(c).tensors]
         return max((t.optimizer_bytes * share(t) for t in tensors), default=0.0) + 2 * max((t.bytes * share(t) for t in tensors if t.trainable), default=0.0)
 
-    def held_tensor(t) -> float:
-        return t.bytes * share(t) + t.optimizer_bytes / ranks
+    def held_tensor(t) -> float:  # what a later model shares of the first one's tensor t (no packed state)
+        return t.bytes * share(t) + (0.0 if packed else t.optimizer_bytes / ranks)
 
     peak, cfg, carried = 0.0, cfg_before, 0.0  # carried: per-neuron state fields of the current model
     start = held(cfg_before)
@@ -542,7 +591,7 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         # a zero-initialised factor makes it step, the saved weights next to the next gradients);
         # the optimizer steps one tensor's state copy at a time (step_each), its update and saved
         # copy one more tensor.
-        steps_again = any(s.op in _ZERO_FACTORS for s in unit)
+        steps_again = any(_starts_a_zero_factor(s) for s in unit)
         work = max(old_step, trainable, (2.25 if steps_again else 1.25) * trainable) + largest_terms(new_cfg) + probe_pass(cfg, new_cfg)
         probes = (probe_bytes(cfg_before, *probe) if j else 0) + probe_bytes(cfg, *probe) + probe_bytes(new_cfg, *probe)
         probes += 4 * 8 * probe[0] * probe[1] * new_cfg.vocab_size
@@ -562,17 +611,25 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
             layer = sum(chain) + max(chain) + final_layer
             probes += 4 * probe[0] * probe[1] * cfg.d_model * moe_layers
         # deepen carries every old tensor into the new model as the same storage (and its optimizer
-        # state as the same objects): only the inserted blocks are new memory.
-        shared = held(cfg) if _carries_whole(unit) else 0.0
+        # state as the same objects): only the inserted blocks are new memory. The _CARRY_UNCHANGED
+        # operators carry what they leave unchanged: those tensors count once, and their optimizer
+        # state too where the grown model keeps it (with 8-bit dense state the growth works on
+        # copies of the packed entries: counted twice).
+        renamed = _carried_names(unit, cfg, {t.name: t for t in count(cfg).tensors}, {t.name: t for t in new.tensors})
+        into = {t.name: t for t in count32(new_cfg).tensors}
+        shared = 0.0
+        if _carries_whole(unit) or (len(unit) == 1 and unit[0].op in _CARRY_UNCHANGED):
+            for t in count32(cfg).tensors if j else count(cfg).tensors:
+                if (n := renamed(t.name)) is not None:
+                    shared += t.bytes * share(t) + (0.0 if packed and not j else min(t.optimizer_bytes, into[n].optimizer_bytes) / ranks)
         # The first model less what the old one holds of it as the same storage.
         first = start - sum(held_tensor(t) for t in from_start.values()) if j else 0.0
-        alive = first + held(cfg) - freed + carried + held(new_cfg) - shared + book + work + probes + layer
+        alive = first + held(cfg, mapped=j > 0) - freed + carried + held(new_cfg, mapped=True) - shared + book + work + probes + layer
         peak = max(peak, alive)
         if getattr(optimizer_cfg, "dense_state_bits", 32) == 32:
             # The first model's entry is the same object as a carried one's, and goes with it (with
             # 8-bit state the optimizer hands out copies of its packed entries: it stays).
             start -= sum(t.optimizer_bytes / ranks for t in folded if t.name in from_start)
-        renamed = _carried_names(unit, cfg)
         from_start = {renamed(n): t for n, t in from_start.items() if renamed(n) is not None}
         cfg, carried = new_cfg, new_carried
         j += len(unit)
@@ -587,6 +644,6 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         work = max(first_step, final_step) + largest_terms(cfg_before, cfg) + probe_pass(cfg_before, cfg)
         probes = probe_bytes(cfg_before, *probe) + probe_bytes(cfg, *probe) + 4 * 8 * probe[0] * probe[1] * cfg.vocab_size
         first = start - sum(held_tensor(t) for t in from_start.values())
-        peak = max(peak, first + held(cfg) + carried + work + probes)
+        peak = max(peak, first + held(cfg, mapped=True) + carried + work + probes)
     return int(peak)
 
