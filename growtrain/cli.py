@@ -207,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         rank = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{rank}error: {_message(exc)}", file=sys.stderr)
+        # One write: under torchrun every rank reports here at once, and with PYTHONUNBUFFERED a
+        # print() writes its text and its newline apart, so two ranks' lines could run together.
+        sys.stderr.write(f"{rank}error: {_message(exc)}\n")
+        sys.stderr.flush()
         return code
 
 

@@ -318,3 +318,28 @@ def test_run_with_a_broken_recipe_exits_2_without_traceback(tmp_path):
     assert_clean_failure(done.stdout, done.stderr)
     assert "did you mean 'batch_size'?" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_ranks_error_line_is_one_write_so_ranks_lines_do_not_run_together(tmp_path, monkeypatch):
+    """Under torchrun every rank prints its error at once; with PYTHONUNBUFFERED (common in
+    containers) a print() writes its text and its newline apart, and two ranks' lines ran together
+    in the 120B rehearsal's kill ('...resume[rank 2] error: ...'). The line is one write."""
+    import io
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, s):
+            self.calls.append(s)
+            return super().write(s)
+
+    err = Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    missing = tmp_path / "no-such-run"
+    assert main(["inspect", str(missing)]) == 2
+    lines = [c for c in err.calls if c]
+    assert len(lines) == 1 and lines[0].startswith("[rank 1] error: ") and lines[0].endswith("\n") and str(missing) in lines[0], err.calls
