@@ -422,21 +422,31 @@ def raw_hidden(recipe, stage_index: int) -> int:
     return shapes[stage_index].moe.expert_hidden
 
 
-EXPERTS_RECIPE = """\
-name: expertsmem
-seed: 1
-model: {d_model: 128, n_layers: 4, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256}
-data: {source: "builtin:pydoc_topics", max_bytes: 60000, eval_fraction: 0.1}
-optimizer: {lr: 0.003}
-train: {log_every: 1, eval_every: 100, eval_batches: 1}
-stages:
-  - {name: dense, steps: 2, seq_len: 32, batch_size: 4}
-  - {name: moe, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: upcycle_moe, num_experts: 4, top_k: 2}]}
-  - {name: experts, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: split_experts, factor: 2}, {op: quantize_experts, r: 4}, {op: deepen}]}
-checkpoint: {every_steps: 100}
-invariance: {probe_batch_size: 2, probe_seq_len: 32}
-tracking: {wandb: {mode: disabled}, progress_bar: false}
-"""
+def memory_recipe(name: str, *stages: str) -> str:
+    """A 4-block recipe for benchmarks/growth_memory.py: a 2-step dense stage, then `stages` (each a
+    YAML flow mapping: 2 steps of 4 x 32 tokens and its growth)."""
+    header = (
+        "seed: 1\n"
+        "model: {d_model: 128, n_layers: 4, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256}\n"
+        'data: {source: "builtin:pydoc_topics", max_bytes: 60000, eval_fraction: 0.1}\n'
+        "optimizer: {lr: 0.003}\n"
+        "train: {log_every: 1, eval_every: 100, eval_batches: 1}\n"
+        "stages:\n"
+    )
+    footer = (
+        "checkpoint: {every_steps: 100}\n"
+        "invariance: {probe_batch_size: 2, probe_seq_len: 32}\n"
+        "tracking: {wandb: {mode: disabled}, progress_bar: false}\n"
+    )
+    lines = [f"  - {{name: {n}, steps: 2, seq_len: 32, batch_size: 4{', grow: ' + g if g else ''}}}\n" for n, g in (("dense", ""), *(s.split(" ", 1) for s in stages))]
+    return f"name: {name}\n" + header + "".join(lines) + footer
+
+
+EXPERTS_RECIPE = memory_recipe(
+    "expertsmem",
+    "moe [{op: upcycle_moe, num_experts: 4, top_k: 2}]",
+    "experts [{op: split_experts, factor: 2}, {op: quantize_experts, r: 4}, {op: deepen}]",
+)
 
 
 @pytest.mark.slow
@@ -465,23 +475,13 @@ def test_the_120b_orders_planned_growth_peak_is_above_the_traced_one_and_within_
     assert 0.90 <= ratio <= 1.0, rows["experts"]
 
 
-CARRY_RECIPE = """\
-name: carrymem
-seed: 1
-model: {d_model: 128, n_layers: 4, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256}
-data: {source: "builtin:pydoc_topics", max_bytes: 60000, eval_fraction: 0.1}
-optimizer: {lr: 0.003}
-train: {log_every: 1, eval_every: 100, eval_batches: 1}
-stages:
-  - {name: dense, steps: 2, seq_len: 32, batch_size: 4}
-  - {name: moe, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: upcycle_moe, num_experts: 16, top_k: 2, layers: [1, 3]}]}
-  - {name: heads, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: add_heads, add: 2}]}
-  - {name: ffn, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: widen_ffn, ffn_hidden: 512}]}
-  - {name: lora, steps: 2, seq_len: 32, batch_size: 4, grow: [{op: add_dense_lora, r: 4}]}
-checkpoint: {every_steps: 100}
-invariance: {probe_batch_size: 2, probe_seq_len: 32}
-tracking: {wandb: {mode: disabled}, progress_bar: false}
-"""
+CARRY_RECIPE = memory_recipe(
+    "carrymem",
+    "moe [{op: upcycle_moe, num_experts: 16, top_k: 2, layers: [1, 3]}]",
+    "heads [{op: add_heads, add: 2}]",
+    "ffn [{op: widen_ffn, ffn_hidden: 512}]",
+    "lora [{op: add_dense_lora, r: 4}]",
+)
 
 
 @pytest.mark.slow
