@@ -615,8 +615,8 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
         # operators carry what they leave unchanged: those tensors count once, and their optimizer
         # state too where the grown model keeps it (with 8-bit dense state the growth works on
         # copies of the packed entries: counted twice).
-        renamed = _carried_names(unit, cfg, {t.name: t for t in count(cfg).tensors}, {t.name: t for t in new.tensors})
         into = {t.name: t for t in count32(new_cfg).tensors}
+        renamed = _carried_names(unit, cfg, {t.name: t for t in count(cfg).tensors}, into)
         shared = 0.0
         if _carries_whole(unit) or (len(unit) == 1 and unit[0].op in _CARRY_UNCHANGED):
             for t in count32(cfg).tensors if j else count(cfg).tensors:
