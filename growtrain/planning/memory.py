@@ -368,26 +368,6 @@ def memory_per_gpu(cfg, count: ModelCount, acts: Activations, gpus: int, precisi
 # Growth: old and new model alive together
 
 
-def _held_bytes(count: ModelCount) -> int:
-    """Weights, buffers and optimizer state of a whole (unsharded) model."""
-    return sum(t.bytes + t.optimizer_bytes for t in count.tensors)
-
-
-def growth_peak_bytes(cfg_before, steps, optimizer_cfg, counts: dict) -> int:
-    """Peak bytes a stage's growth holds in its one process today (stages/transition.py): while
-    an operator runs, the old model and its optimizer state and the new model and its mapped
-    state are alive together. 0 for a stage without growth."""
-    from growtrain.stages import get_operator
-
-    peak, cfg = 0, cfg_before
-    for step in steps:
-        new_cfg = get_operator(step.op).plan(cfg, step.args)
-        old, new = (counts.get(c) or counts.setdefault(c, count_model(c, optimizer_cfg)) for c in (cfg, new_cfg))
-        peak = max(peak, _held_bytes(new) + (0 if _carries_whole([step]) else _held_bytes(old)))
-        cfg = new_cfg
-    return peak
-
-
 def _carries_whole(unit) -> bool:
     """An operator step whose grown model holds every old tensor as the same storage (deepen:
     the old blocks carried, under their new indices, with their optimizer state objects)."""
@@ -508,14 +488,14 @@ def growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts: dict, r
     (stages/streaming.py): the old model and the quantized one are alive whole, each operator's
     fp32 experts for one layer (with their quantized copy and the per-layer checks' copies), the
     old model's probe input to every MoE layer, and no optimizer state of the intermediate experts.
-    Otherwise every rank gathers the whole model: growth_peak_bytes.
-    0 for a stage without growth."""
+    Where an operator of the stage cannot grow expert shards every rank gathers the whole model and
+    grows it as one process does: the figure for `ranks` = 1. 0 for a stage without growth."""
     from growtrain.stages import get_operator, stream_length
 
     if not steps:
         return 0
     if ranks > 1 and not all(get_operator(s.op).runs_sharded(s.args) for s in steps):
-        return growth_peak_bytes(cfg_before, steps, optimizer_cfg, counts)
+        return growth_peak_bytes_per_rank(cfg_before, steps, optimizer_cfg, counts, 1, probe, stream)
 
     def count(c):
         return counts.get(c) or counts.setdefault(c, count_model(c, optimizer_cfg))

@@ -14,7 +14,6 @@ from growtrain.planning.memory import (
     HEADROOM_TARGET,
     MemoryPerGpu,
     autocast_weight_cache,
-    growth_peak_bytes,
     growth_peak_bytes_per_rank,
     memory_per_gpu,
     stage_activations,
@@ -94,7 +93,7 @@ class StagePlan:
     activations: ActivationsDetail
     roofline: StepTime
     stage_time_s: float
-    growth_peak_bytes: int  # 0 without growth at the stage's start
+    growth_peak_bytes: int  # growth's peak in one process (the per-rank figure over 1); 0 without growth at the stage's start
     growth_peak_bytes_per_rank: int  # the same per expert-parallel rank over hw.gpus processes
     growth_on: str  # where train.grow_on: auto grows this stage: "gpu", "host" (over the GPU's budget), "" without growth
     growth_fits: bool  # the per-rank peak within the budget where it runs (capacity or host share, less the headroom)
@@ -198,8 +197,8 @@ def plan_recipe(recipe, hw: Hardware) -> Plan:
         # Everything below works on one GPU's share of the micro-batch.
         stage = replace(global_stage, batch_size=global_stage.batch_size // hw.gpus)
         count = counts.get(cfg) or counts.setdefault(cfg, count_model(cfg, recipe.optimizer))
-        grow_peak = growth_peak_bytes(previous, stage.grow, recipe.optimizer, counts)
         probe = (recipe.invariance.probe_batch_size, recipe.invariance.probe_seq_len)
+        grow_peak = growth_peak_bytes_per_rank(previous, stage.grow, recipe.optimizer, counts, 1, probe, recipe.invariance.stream)
         grow_peak_rank = growth_peak_bytes_per_rank(previous, stage.grow, recipe.optimizer, counts, hw.gpus, probe, recipe.invariance.stream)
         # Where train.grow_on: auto grows it: a growth that gathers the whole model (an operator
         # that cannot grow expert shards) stays on the GPU, as the trainer keeps it.
