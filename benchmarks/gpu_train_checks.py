@@ -22,7 +22,7 @@ On a GPU machine the five training runs go side by side (the CPU reference on 6 
 CPU one at a time.
 
 `--device cpu` (what CI runs, so the script cannot rot without a GPU): the same checks on the CPU
-with the reference backend, on a shorter recipe (STEPS_CPU); the device run would be the CPU
+with the reference backend, on a shorter recipe (STEPS_CPU, BATCH_CPU); the device run would be the CPU
 reference run itself, so it is run once and part 3 has no device-vs-CPU comparison to report
 (`max_rel_loss_diff_first_steps` is null); the killed run continues the reference run from its
 step-FORK_AT_CPU checkpoint (not from step 0) and its resume must repeat the reference's losses
@@ -61,6 +61,7 @@ KILL_AT = 75  # a step of the 'moe' stage, after a checkpoint (every 25 below)
 # killed at KILL_AT_CPU; its resume crosses the growth into 'nf4' (at 65).
 STEPS_CPU = {"dense": 20, "moe": 15, "deep": 30, "nf4": 5}
 WARMUP_CPU = 5
+BATCH_CPU = 8  # half the recipe's 16 sequences a step: the same stages, growths and resume at half the cost
 FORK_AT_CPU = 50
 CHECKPOINT_EVERY_CPU = 5
 KILL_AT_CPU = 63
@@ -78,6 +79,8 @@ def recipe_sets(device: str, backend: str, short: bool) -> list[str]:
     sets += ["--set", f"schedule.warmup_steps={warmup}"]
     for i, name in enumerate(steps):
         sets += ["--set", f"stages.{i}.steps={steps[name]}"]
+        if short:
+            sets += ["--set", f"stages.{i}.batch_size={BATCH_CPU}"]
     return sets
 
 

@@ -1,24 +1,28 @@
 """A fork server for the suite's processes: `python -m growtrain ...`, `python -m
 torch.distributed.run ...` and torchrun's ranks, as the tests start them, minus the seconds each
-fresh interpreter spends importing torch (~2.4 s on a CI core; a rank imports torch._dynamo too,
-another ~2.3 s, parallel/distributed.import_before_group).
+fresh interpreter spends importing torch and the libraries growtrain imports lazily: torch ~1.6 s on
+a CI core, torch._dynamo another ~1.4 s (a rank imports it before joining a group,
+parallel/distributed.import_before_group), peft another ~3.4 s (it brings transformers, bitsandbytes
+and triton; every run with NF4 experts or LoRA adapters imports it).
 
-tests/conftest.py (`run_module`) starts two per test worker at its first request: `base` imports
-torch only, `group` torch and torch._dynamo (for ranks, which import it anyway before joining a
-group). Each listens on a unix socket. A request is one JSON line {module or script, args, cwd, env,
-unbuffered} with three file descriptors (the SCM_RIGHTS of a unix socket) for stdin, stdout and
-stderr; the server forks a child that is then what `python [-u] -m MODULE ARGS` (or `python
-SCRIPT ARGS`) would be: its own process (own pid, exit status, signals: a fault's SIGKILL kills it
-alone), the request's working directory, environment, argv, sys.path[0] and standard streams,
-`runpy` running it as `__main__` exactly as the interpreter does, and the interpreter's own exit
-(atexit handlers, flushing, an uncaught exception's traceback and status 1). It replies
+tests/conftest.py (`run_module`) starts two per test worker at its first request, `base` and `group`
+(for ranks: torchrun's environment, OMP_NUM_THREADS set); both import torch, torch._dynamo and peft
+before they listen. Each listens on a unix socket. A request is one JSON line {module or script,
+args, cwd, env, unbuffered} with three file descriptors (the SCM_RIGHTS of a unix socket) for stdin,
+stdout and stderr; the server forks a child that is then what `python [-u] -m MODULE ARGS` (or
+`python SCRIPT ARGS`) would be: its own process (own pid, exit status, signals: a fault's SIGKILL
+kills it alone), the request's working directory, environment, argv, sys.path[0] and standard
+streams, `runpy` running it as `__main__` exactly as the interpreter does, and the interpreter's own
+exit (atexit handlers, flushing, an uncaught exception's traceback and status 1). It replies
 {"pid": N}, then {"status": S} (waitpid's) when the child ends; if the requester goes away first
 (killed), the child is killed. The server ends when its stdin (a pipe from the test process) closes.
+What a child can tell from a fresh interpreter is only that those modules are in sys.modules already.
 
-Nothing of growtrain is imported before the fork, so every import-time read of the environment
-(TRITON_INTERPRET, HF_*_OFFLINE, WANDB_*) sees the request's. A request whose environment differs
-from the server's in a variable torch may read at its import (SENSITIVE) is answered
-{"fallback": true}: the requester then starts a fresh interpreter, as it does for any other program.
+Nothing of growtrain is imported before the fork, so growtrain's import-time reads of the environment
+(GROWTRAIN_*, WANDB_*) see the request's. A request whose environment differs from the server's in a
+variable that the preloaded libraries may read at their import (SENSITIVE: TRITON_INTERPRET, HF_*,
+OMP_*, ...) is answered {"fallback": true}: the requester then starts a fresh interpreter, as it does
+for any other program.
 """
 
 from __future__ import annotations
@@ -33,9 +37,14 @@ import socket
 import sys
 import time
 
-# What torch (or the interpreter) may read at import: a request differing from the server here runs fresh.
+# What the interpreter, torch, peft, transformers, bitsandbytes or triton may read at import: a
+# request differing from the server here runs fresh.
 SENSITIVE = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP", "CUDA", "NVIDIA", "LD_", "PYTORCH", "TORCH_LOGS", "TORCHDYNAMO",
-             "TORCHINDUCTOR", "TORCH_COMPILE", "TORCH_SHOW", "TRITON")
+             "TORCHINDUCTOR", "TORCH_COMPILE", "TORCH_SHOW", "TRITON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "PEFT", "BNB_",
+             "XDG_", "HOME", "USE_TORCH", "USE_TF", "USE_FLAX", "USE_JAX", "TOKENIZERS", "SAFETENSORS", "ACCELERATE")
+# Imported before the server listens, so that every child inherits them (peft imports transformers,
+# bitsandbytes and triton).
+PRELOAD = ("torch", "torch._dynamo", "peft")
 INERT = ("PYTHONUNBUFFERED",)  # honoured by the child itself (`unbuffered`)
 
 
@@ -81,12 +90,12 @@ def _child(req: dict, fds: list[int]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def serve(path: str, preload: str) -> None:
-    base = dict(os.environ)  # as started: torch's import may set variables of its own
-    import torch  # noqa: F401  (the point of the server: imported once, inherited by every child)
+def serve(path: str) -> None:
+    import importlib
 
-    if preload == "group":
-        import torch._dynamo  # noqa: F401
+    base = dict(os.environ)  # as started: the imports may set variables of their own
+    for name in PRELOAD:  # the point of the server: imported once, inherited by every child
+        importlib.import_module(name)
     # what those imports set (TORCHINDUCTOR_CACHE_DIR): a fresh interpreter's imports would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if base.get(k) != v}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -175,4 +184,4 @@ class Replies:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2])
+    serve(sys.argv[1])

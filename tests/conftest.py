@@ -147,7 +147,7 @@ def fork_server(kind: str) -> str | None:
         path = os.path.join(tempfile.mkdtemp(prefix="growtrain-fork-"), kind)
         # ranks get torchrun's environment, which sets OMP_NUM_THREADS=1 where it is not set
         env = cli_env() if kind == "base" else {**cli_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_forkserver.py"), path, kind], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cli_forkserver.py"), path], cwd=REPO,
                                 env=env, stdin=subprocess.PIPE)  # it ends when this process does
         _servers[kind] = (proc, path)
         deadline = time.monotonic() + 120

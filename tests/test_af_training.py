@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -257,16 +255,31 @@ def test_one_process_with_an_af_layout_says_it_holds_everything(micro_recipe, tm
     assert "distributed.layout: af needs several processes (torchrun); one process holds everything" in r.stdout
 
 
-def test_the_af_pipeline_benchmark_compares_its_schedules_with_the_plan():
-    # benchmarks/af_pipeline.py at its smallest: 2 processes, 1 + 1 (ping-pong, which needs 2
-    # attention ranks, left out: its prediction is checked against a run by the ping-pong test)
-    r = subprocess.run(
-        [sys.executable, "benchmarks/af_pipeline.py", "--nproc", "2", "--attention", "1", "--d-model", "32", "--layers", "2",
-         "--experts", "4", "--batch", "4", "--seq", "16", "--steps", "3", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])["af_pipeline"]
+def test_the_af_pipeline_benchmark_compares_its_schedules_with_the_plan(monkeypatch, capsys):
+    """benchmarks/af_pipeline.py at its smallest: 2 processes, 1 + 1 (ping-pong, which needs 2
+    attention ranks, left out: its prediction is checked against a run by the ping-pong test). Its
+    main runs here; its four torchrun launches go through the suite's fork servers (run_module), as
+    the benchmark's own launcher would run them (the same arguments and environment)."""
+    import importlib.util
+
+    from conftest import run_module
+
+    spec = importlib.util.spec_from_file_location("af_pipeline", REPO / "benchmarks" / "af_pipeline.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def torchrun(n, *args, timeout=600):
+        r = run_module("torch.distributed.run", "--standalone", "--nproc-per-node", n, *args,
+                       env=cli_env(OMP_NUM_THREADS="1", WANDB_MODE="disabled"), timeout=timeout)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return r
+
+    monkeypatch.setattr(bench, "torchrun", torchrun)
+    rc = bench.main(["--nproc", "2", "--attention", "1", "--d-model", "32", "--layers", "2", "--experts", "4", "--batch", "4",
+                     "--seq", "16", "--steps", "3", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    got = json.loads(out.strip().splitlines()[-1])["af_pipeline"]
     assert got["colocated_step_s"] > 0
     assert "pingpong" not in got and got["interleaved_vs_sequential_passes"] > 0
     for schedule in ("sequential", "interleaved"):
