@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/growtrain run recipes/tiny.yaml
 
-# Two workers, a file at a time (its module fixtures built once), one thread each (tests/conftest.py).
-XDIST := -n 2 --dist loadfile
+# Two workers, a file at a time (its module fixtures built once), one thread each, the slowest files
+# first in the order tests/conftest.py gives (SLOWEST_FIRST; xdist would put the files of most tests first).
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
 # The suite starts hundreds of growtrain processes. Where PYTHONDONTWRITEBYTECODE is set (as on
 # this project's machines) none of them caches its bytecode, and each compiles growtrain's own

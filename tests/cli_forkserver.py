@@ -41,7 +41,9 @@ import time
 # request differing from the server here runs fresh.
 SENSITIVE = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP", "CUDA", "NVIDIA", "LD_", "PYTORCH", "TORCH_LOGS", "TORCHDYNAMO",
              "TORCHINDUCTOR", "TORCH_COMPILE", "TORCH_SHOW", "TRITON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "PEFT", "BNB_",
-             "XDG_", "HOME", "USE_TORCH", "USE_TF", "USE_FLAX", "USE_JAX", "TOKENIZERS", "SAFETENSORS", "ACCELERATE")
+             "XDG_", "HOME", "USE_TORCH", "USE_TF", "USE_FLAX", "USE_JAX", "SAFETENSORS", "ACCELERATE")
+# Not TOKENIZERS_*: tokenizers reads them when it runs, and growtrain.data.prepare sets
+# TOKENIZERS_PARALLELISM in the test process (every later request would run fresh).
 # Imported before the server listens, so that every child inherits them (peft imports transformers,
 # bitsandbytes and triton).
 PRELOAD = ("torch", "torch._dynamo", "peft")

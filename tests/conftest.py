@@ -97,6 +97,22 @@ def _merge(base: dict, changes: dict) -> None:
             base[k] = v
 
 
+# The slowest modules first (seconds of test time on 2 cores at 7ff6a62: 257, 236, 192, 180, 148,
+# 115, 100, ... down to 20): xdist's loadfile hands modules out in collection order (make test:
+# --no-loadscope-reorder), so the longest start first and the two workers end together. xdist's own
+# order (most tests first) left test_gpu_checks_cpu's one test of ~115 s to the end, the other
+# worker idle. Modules not listed follow in their own order.
+SLOWEST_FIRST = ("test_af_training", "test_sharded_growth", "test_residual", "test_expert_parallel", "test_optim8bit_layouts",
+                 "test_gpu_checks_cpu", "test_plan", "test_prepared_data", "test_user_defects", "test_false_failures", "test_resume",
+                 "test_options_matrix", "test_af", "test_export_hf", "test_growth_mutations", "test_dense_lora_growth", "test_docs",
+                 "test_fresh_params", "test_growth_operators", "test_nf4_resume", "test_run_schedule", "test_streaming", "test_gpu_step")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's tests keep their order
+
+
 def write_bpe_tokenizer(path: Path, text: str, vocab_size: int = 300) -> None:
     """A byte-level BPE tokenizer.json trained on `text` (a user's own tokenizer, as tests need one)."""
     tokenizers = pytest.importorskip("tokenizers")
@@ -110,14 +126,20 @@ def write_bpe_tokenizer(path: Path, text: str, vocab_size: int = 300) -> None:
     tok.save(str(path))
 
 
-# The environment pytest started with: a variable torch's own imports set later in this process
-# (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR) is not handed on; the child's imports set it alike.
+# The environment pytest started with: a variable that something this process ran set later is not
+# handed on (imports: torch._dynamo's TORCHINDUCTOR_CACHE_DIR, sklearn's KMP_DUPLICATE_LIB_OK, which
+# lm_eval brings; growtrain.data.prepare's TOKENIZERS_PARALLELISM); the child's own imports set theirs.
+# Handed on, one of them sent every later request of the worker to a fresh interpreter.
 _STARTED_WITH = frozenset(os.environ)
 
 
+def started_env() -> dict:
+    """This process's environment, less what was added to it after pytest started."""
+    return {k: v for k, v in os.environ.items() if k in _STARTED_WITH}
+
+
 def cli_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WANDB_", "GROWTRAIN_")) and (k in _STARTED_WITH or not k.startswith("TORCHINDUCTOR"))}
+    env = {k: v for k, v in started_env().items() if not k.startswith(("WANDB_", "GROWTRAIN_"))}
     env.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"})
     env.update(extra)
     return env
@@ -173,8 +195,12 @@ def run_module(module: str, *args, env: dict | None = None, timeout: float = 300
 
 
 def run_script(script: Path | str, *args, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS`, as run_module runs a module."""
+    """`python SCRIPT ARGS`, as run_module runs a module; `python -c CODE ARGS` (script "-c") as a fresh
+    interpreter (the fork servers run modules and script files only)."""
     args = [str(a) for a in args]
+    if str(script) == "-c":
+        return subprocess.run([sys.executable, "-c", *args], cwd=cwd, env=dict(env or cli_env()), capture_output=True, text=True,
+                              timeout=timeout)
     return _run_python({"script": str(script), "args": args}, [sys.executable, str(script), *args], dict(env or cli_env()), cwd, timeout)
 
 
@@ -204,6 +230,7 @@ def _run_python(target: dict, cmd: list[str], env: dict, cwd: Path, timeout: flo
             replies = Replies(conn)
             first = replies.next()
             if first.get("fallback"):
+                _fell_back(first["fallback"])
                 return fresh()
             done = replies.next(timeout)
             if done is None:
@@ -212,6 +239,17 @@ def _run_python(target: dict, cmd: list[str], env: dict, cwd: Path, timeout: flo
                 raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"), err.read_text(errors="replace"))
         return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(done["status"]), out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))
+
+
+def _fell_back(variables: list[str]) -> None:
+    """A request the server answered with a fresh interpreter (its environment differs from the
+    server's in `variables`): a warning, so that the suite's summary shows it. A variable the test
+    process itself changed sends every later request of its worker to a fresh interpreter, seconds
+    each (seen: +23% on the suite). A test that means to run fresh expects the warning."""
+    import warnings
+
+    warnings.warn(f"the fork server ran a fresh interpreter: the request's {', '.join(variables)} differ(s) from the server's",
+                  stacklevel=3)
 
 
 def _torchrun_program(args: list[str]) -> int:

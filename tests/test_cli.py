@@ -5,7 +5,6 @@ exit path or the imported modules matter."""
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, run_module
+from conftest import cli_env, run_module, started_env
 from growtrain.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,7 +21,7 @@ REFERENCE = REPO / "docs" / "recipe-reference.md"
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return run_module("growtrain", *args, env=dict(os.environ), timeout=120)
+    return run_module("growtrain", *args, env=started_env(), timeout=120)
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
