@@ -27,7 +27,6 @@ for any other program.
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import os
@@ -99,9 +98,6 @@ def serve(path: str) -> None:
     base = dict(os.environ)  # as started: the imports may set variables of their own
     for name in PRELOAD:  # the point of the server: imported once, inherited by every child
         importlib.import_module(name)
-    # Out of the collector's reach: a child's collections would otherwise touch every preloaded
-    # object and copy the pages that hold them (copy-on-write).
-    gc.freeze()
     # what those imports set (TORCHINDUCTOR_CACHE_DIR): a fresh interpreter's imports would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if base.get(k) != v}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
