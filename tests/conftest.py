@@ -97,15 +97,15 @@ def _merge(base: dict, changes: dict) -> None:
             base[k] = v
 
 
-# The slowest modules first (seconds of test time on 2 cores at 7ff6a62: 257, 236, 192, 180, 148,
-# 115, 100, ... down to 20): xdist's loadfile hands modules out in collection order (make test:
-# --no-loadscope-reorder), so the longest start first and the two workers end together. xdist's own
-# order (most tests first) left test_gpu_checks_cpu's one test of ~115 s to the end, the other
-# worker idle. Modules not listed follow in their own order.
-SLOWEST_FIRST = ("test_af_training", "test_sharded_growth", "test_residual", "test_expert_parallel", "test_optim8bit_layouts",
-                 "test_gpu_checks_cpu", "test_plan", "test_prepared_data", "test_user_defects", "test_false_failures", "test_resume",
-                 "test_options_matrix", "test_af", "test_export_hf", "test_growth_mutations", "test_dense_lora_growth", "test_docs",
-                 "test_fresh_params", "test_growth_operators", "test_nf4_resume", "test_run_schedule", "test_streaming", "test_gpu_step")
+# The slowest modules first (seconds of test time on 2 cores at this file's last change: 130 (one
+# test), 154, 140, 137, 106, 83, 76, ... down to 14): xdist's loadfile hands modules out in collection
+# order (make test: --no-loadscope-reorder), so the longest start first and the two workers end
+# together. xdist's own order (most tests first) left test_gpu_checks_cpu's one test to the end, the
+# other worker idle. Modules not listed follow in their own order.
+SLOWEST_FIRST = ("test_gpu_checks_cpu", "test_sharded_growth", "test_expert_parallel", "test_af_training", "test_plan",
+                 "test_user_defects", "test_residual", "test_optim8bit_layouts", "test_options_matrix", "test_prepared_data",
+                 "test_false_failures", "test_growth_mutations", "test_export_hf", "test_docs", "test_growth_operators", "test_resume",
+                 "test_gpu_step", "test_af", "test_fresh_params", "test_streaming", "test_kernels_grouped", "test_training")
 
 
 def pytest_collection_modifyitems(config, items):
