@@ -49,13 +49,18 @@ def run(recipe: Path, nproc: int, out: Path, overrides: list[str]) -> tuple[list
     trace = out / "trace"
     env = {**os.environ, "GROWTRAIN_MEMORY_TRACE": str(trace), "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "growtrain", "run", str(recipe), "--out", str(out / "run")]
-    cmd += [a for o in overrides for a in ("--set", o)]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    args = ["--standalone", "--nproc-per-node", str(nproc), "-m", "growtrain", "run", str(recipe), "--out", str(out / "run")]
+    r = torchrun(args + [a for o in overrides for a in ("--set", o)], env)
     if r.returncode != 0:
         sys.exit(f"the traced run failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     records = [json.loads(line) for f in sorted(trace.glob("rank-*.jsonl")) for line in f.read_text().splitlines()]
     return records, time.perf_counter() - t0
+
+
+def torchrun(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run ARGS` from the repository, its output captured (the test
+    suite puts its own launcher here: tests/test_plan.py)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO, env=env, capture_output=True, text=True)
 
 
 def summarize(records: list[dict], planned: dict[str, int]) -> list[dict]:
@@ -81,14 +86,14 @@ def summarize(records: list[dict], planned: dict[str, int]) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "120b-rehearsal.yaml")
     ap.add_argument("--nproc", type=int, default=8, help="processes (expert-parallel ranks), default 8")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--keep", type=Path, help="keep the run and its traces in this folder (default: a temporary one, removed)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="recipe override passed to growtrain run (repeatable)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     layout = recipe.distributed.layout
     holders = args.nproc

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,13 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_step  # noqa: E402
+from conftest import run_script  # noqa: E402
 
 
 def test_the_cpu_form_runs_every_part_of_a_stage_and_reports_the_table_and_json():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--cpu", "--json", "--reps", "1", "--stage", "dense", "--stage", "experts"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+    out = run_script(ROOT / "benchmarks" / "gpu_step.py", "--cpu", "--json", "--reps", "1", "--stage", "dense", "--stage", "experts")
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     dense, experts = res["stages"]
@@ -35,7 +32,7 @@ def test_the_cpu_form_runs_every_part_of_a_stage_and_reports_the_table_and_json(
         assert r["tokens_per_s"] > 0 and r["model_tflops"] > 0 and r["mfu"] is None  # no preset for a CPU
         assert all(v >= 0 for v in r["share"].values()), r["share"]
         assert r["predicted_bytes"] > 0 and r["peak_bytes"] is None
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--cpu", "--stage", "nope"], capture_output=True, text=True, cwd=ROOT)
+    bad = run_script(ROOT / "benchmarks" / "gpu_step.py", "--cpu", "--stage", "nope")
     assert bad.returncode == 2 and "no stage nope" in bad.stderr and "Traceback" not in bad.stderr
 
 

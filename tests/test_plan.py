@@ -442,6 +442,25 @@ def memory_recipe(name: str, *stages: str) -> str:
     return f"name: {name}\n" + header + "".join(lines) + footer
 
 
+def traced_growth(monkeypatch, capsys, *args) -> dict[str, dict]:
+    """benchmarks/growth_memory.py --json ARGS, its main run here and its torchrun launch through
+    the suite's fork servers (conftest.run_module): stage -> the transition's row."""
+    import sys
+
+    from conftest import REPO, cli_env, run_module
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import growth_memory
+
+    def torchrun(argv, env):
+        return run_module("torch.distributed.run", *argv, env=cli_env(GROWTRAIN_MEMORY_TRACE=env["GROWTRAIN_MEMORY_TRACE"]), timeout=300)
+
+    monkeypatch.setattr(growth_memory, "torchrun", torchrun)
+    capsys.readouterr()
+    assert growth_memory.main([*map(str, args), "--json"]) == 0
+    return {r["stage"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["transitions"]}
+
+
 EXPERTS_RECIPE = memory_recipe(
     "expertsmem",
     "moe [{op: upcycle_moe, num_experts: 4, top_k: 2}]",
@@ -450,7 +469,7 @@ EXPERTS_RECIPE = memory_recipe(
 
 
 @pytest.mark.slow
-def test_the_120b_orders_planned_growth_peak_is_above_the_traced_one_and_within_10_percent(tmp_path):
+def test_the_120b_orders_planned_growth_peak_is_above_the_traced_one_and_within_10_percent(tmp_path, monkeypatch, capsys):
     """The 120B recipe's experts stage at a tiny width: split + quantize streamed, then deepen on the
     NF4 model. deepen carries every old tensor as the same storage (the plan counts only the
     inserted blocks as new memory), the stage's first model shares its dense tensors with the later
@@ -460,17 +479,9 @@ def test_the_120b_orders_planned_growth_peak_is_above_the_traced_one_and_within_
     0.93); the plan without the deepen sharing gives 0.79, without the first model's sharing 0.84,
     without the released state 0.67, without the probe passes 1.02; the transition keeping the
     released state traces 37.1 MiB, 1.38."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, cli_env
-
     recipe = tmp_path / "deep.yaml"
     recipe.write_text(EXPERTS_RECIPE)
-    done = subprocess.run([sys.executable, "benchmarks/growth_memory.py", "--recipe", str(recipe), "--nproc", "1", "--json"],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["stage"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])["transitions"]}
+    rows = traced_growth(monkeypatch, capsys, "--recipe", recipe, "--nproc", 1)
     ratio = rows["experts"]["growth_to_plan"]
     assert 0.90 <= ratio <= 1.0, rows["experts"]
 
@@ -486,7 +497,7 @@ CARRY_RECIPE = memory_recipe(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("state_bits", [32, 8])
-def test_the_planned_peak_of_growth_that_carries_what_it_leaves_unchanged_is_above_the_traced_one(tmp_path, state_bits):
+def test_the_planned_peak_of_growth_that_carries_what_it_leaves_unchanged_is_above_the_traced_one(tmp_path, monkeypatch, capsys, state_bits):
     """upcycle_moe, add_heads, widen_ffn and add_dense_lora keep every tensor they do not change as
     the same storage (with the same optimizer state object, at 32 bits): the plan counts those once.
     With 8-bit dense state growth maps the state into float32 entries (counted so), and the checks'
@@ -495,18 +506,9 @@ def test_the_planned_peak_of_growth_that_carries_what_it_leaves_unchanged_is_abo
     (before: 0.85 / 0.59 / 0.68 / 0.58, the carried tensors counted twice); 8-bit 0.95 / 0.90 /
     0.90 / 0.90 (before: 1.30 / 1.16 / 1.40 / 1.13, the plan under the trace, whose growth peaks
     were 94.9 MiB at heads against 80.6 now)."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, cli_env
-
     recipe = tmp_path / "carry.yaml"
     recipe.write_text(CARRY_RECIPE)
-    done = subprocess.run([sys.executable, "benchmarks/growth_memory.py", "--recipe", str(recipe), "--nproc", "1", "--json",
-                           "--set", f"optimizer.dense_state_bits={state_bits}"],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["stage"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])["transitions"]}
+    rows = traced_growth(monkeypatch, capsys, "--recipe", recipe, "--nproc", 1, "--set", f"optimizer.dense_state_bits={state_bits}")
     assert set(rows) == {"moe", "heads", "ffn", "lora"}
     for stage, row in rows.items():
         assert 0.8 <= row["growth_to_plan"] <= 1.0, (stage, row)
