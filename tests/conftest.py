@@ -180,6 +180,19 @@ def fork_server(kind: str) -> str | None:
     return path
 
 
+def pytest_unconfigure(config):
+    """A fork server ends when its stdin closes: close it and reap the server (left to the test
+    process's exit, each one was a ResourceWarning at the end of the run)."""
+    for proc, _ in _servers.values():
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    _servers.clear()
+
+
 def run_module(module: str, *args, env: dict | None = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` as its own process, output captured as text (subprocess.run's
     CompletedProcess; TimeoutExpired after `timeout`), started by the fork server where it can be.
