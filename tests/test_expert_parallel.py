@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import REPO, cli_env, losses, run_cli, run_module, train_recipe
 from growtrain.model.expert_shards import assemble, is_expert_tensor, slice_state
@@ -446,3 +447,21 @@ def test_a_single_process_run_has_no_expert_shards(micro_recipe, tmp_path):
     ckpt = next((tmp_path / "one/checkpoints").glob("step-*"))
     assert not list(ckpt.glob("experts-*")) and "expert_parallel" not in json.loads((ckpt / "meta.json").read_text())
 
+
+
+@pytest.mark.parametrize("layout", [(), ("--set", "distributed.layout=af", "--set", "distributed.attention_ranks=1")], ids=["ep2", "af_1_plus_1"])
+def test_ranks_started_as_fresh_interpreters_train_grow_and_exit_cleanly(tmp_path, layout):
+    """The fork servers' children skip the interpreter's finalization (tests/cli_forkserver.py), where
+    a rank of a gloo job has crashed before ("terminate called without an active exception", commit
+    637dc61, parallel/distributed.import_before_group): here torchrun and both ranks are fresh
+    interpreters, as a user's are, through two growths and their exit."""
+    recipe = tmp_path / "ep.yaml"
+    recipe.write_text(yaml.safe_dump(EP_RECIPE, sort_keys=False))
+    steps = [a for i in range(3) for a in ("--set", f"stages.{i}.steps=2")]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "growtrain", "run",
+                           str(recipe), "--out", str(tmp_path / "run"), *steps, *layout],
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for sign in ("terminate called", "Traceback", "Signal", "leaked", "core dumped"):
+        assert sign not in done.stderr, done.stderr[-3000:]
+    assert [s for s, *_ in losses(tmp_path / "run")] == list(range(1, 7))
