@@ -12,7 +12,8 @@ balancing), a stage of 1-3 expert operators (deepen, split_experts, widen_ffn of
 clone_experts), and optionally NF4 experts (quantize_experts) followed by a stage of split / clone /
 deepen on the 4-bit codes. Every stage trains 1-5 steps, so that the Adam state growth maps is
 young (Adam's first steps are ~sign(g)) and split siblings may still tie. A run may go over
-several processes (--ep-share: the experts sharded over 2, torchrun with gloo).
+several processes (--ep-share: the experts sharded over 2, torchrun with gloo), and a share of those in
+the AF layout (--af-share: 1 attention rank and 1 expert rank).
 
 A run counts as a false failure when it stops with exit 3 on an exact operator (or a transition
 of exact operators); an approximate operator stopping on its thresholds is counted apart. Every
@@ -171,7 +172,8 @@ def run_one(recipe: dict, work: Path, nproc: int, tally: Tally) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     tally.runs += 1
-    tally.processes[str(nproc)] = tally.processes.get(str(nproc), 0) + 1
+    key = f"{nproc} (af)" if recipe.get("distributed", {}).get("layout") == "af" else str(nproc)
+    tally.processes[key] = tally.processes.get(key, 0) + 1
     failure = out / "growth-failure.json"
     if proc.returncode == 3 and failure.exists():
         record = json.loads(failure.read_text())
@@ -192,18 +194,23 @@ def growth_history(run_dir: Path) -> list[dict]:
     return list(read_meta(checkpoints / (checkpoints / "latest").read_text().strip())["growth_history"])
 
 
-def search(runs: int, seed: int, ep_share: float, work: Path, say=print) -> Tally:
-    rng = random.Random(seed)
+def search(runs: int, seed: int, ep_share: float, work: Path, say=print, af_share: float = 0.0) -> Tally:
+    """af_share: the fraction of the runs over 2 processes in the AF layout (1 attention rank + 1
+    expert rank), drawn from a generator of its own, so that the recipes a seed draws do not change."""
+    rng, layouts = random.Random(seed), random.Random(f"{seed}-af")
     tally = Tally()
     t0 = time.perf_counter()
     for i in range(runs):
         recipe = draw_recipe(rng, f"ff{seed}-{i}")
         nproc = 2 if rng.random() < ep_share else 1  # torchrun shards the experts over the processes
+        if nproc > 1 and layouts.random() < af_share:
+            recipe["distributed"] = {"layout": "af", "attention_ranks": 1}
         before = len(tally.false_failures) + len(tally.approximate_failures) + len(tally.other_errors)
         run_one(recipe, work / recipe["name"], nproc, tally)
         ops = [s["op"] for st in recipe["stages"] for s in st.get("grow", [])]
         verdict = "passed" if len(tally.false_failures) + len(tally.approximate_failures) + len(tally.other_errors) == before else "STOPPED"
-        say(f"run {i + 1}/{runs} ({nproc} process{'es' if nproc > 1 else ''}, {recipe['train']['precision']}, "
+        where = " in the AF layout" if "distributed" in recipe else ""
+        say(f"run {i + 1}/{runs} ({nproc} process{'es' if nproc > 1 else ''}{where}, {recipe['train']['precision']}, "
             f"{recipe['optimizer']['dense_state_bits']}-bit state): {' '.join(ops)} — {verdict}")
     tally.seconds = time.perf_counter() - t0
     return tally
@@ -231,16 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=24, help="random runs (default 24)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draw of recipes (default 0)")
     parser.add_argument("--ep-share", type=float, default=0.0, help="fraction of runs with their experts over 2 processes (default 0)")
+    parser.add_argument("--af-share", type=float, default=0.0,
+                        help="fraction of the runs over 2 processes in the AF layout, 1 attention + 1 expert rank (default 0)")
     parser.add_argument("--out", default="", help="keep every run directory here (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    if not 0.0 <= args.ep_share <= 1.0:
-        parser.error("--ep-share must be in [0, 1]")
+    for name in ("ep_share", "af_share"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1]")
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     with tempfile.TemporaryDirectory(prefix="growtrain-ff-") as tmp:
-        tally = search(args.runs, args.seed, args.ep_share, Path(args.out) if args.out else Path(tmp), say)
+        tally = search(args.runs, args.seed, args.ep_share, Path(args.out) if args.out else Path(tmp), say, args.af_share)
     if args.json:
         print(json.dumps(tally.as_json()))
     else:

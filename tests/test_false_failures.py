@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import MICRO, REPO, train_recipe
+from conftest import MICRO, REPO, growth_report, train_recipe
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -37,6 +37,17 @@ def test_random_short_runs_with_experts_over_two_processes_pass_every_exact_chec
     tally = ff.search(runs=1, seed=4, ep_share=1.0, work=tmp_path, say=lambda *_: None)
     assert_clean(tally)
     assert tally.processes == {"2": 1}
+
+
+@pytest.mark.slow
+def test_a_random_short_run_in_the_af_layout_passes_every_exact_check(tmp_path):
+    """1 attention rank + 1 expert rank: widen_hidden, upcycle_moe and split_experts, grown on the
+    AF layout's shards (seed 21's first draw)."""
+    tally = ff.search(runs=1, seed=21, ep_share=1.0, work=tmp_path, say=lambda *_: None, af_share=1.0)
+    assert_clean(tally)
+    assert tally.processes == {"2 (af)": 1}
+    report, transitions = growth_report(tmp_path / "ff21-0" / "run")
+    assert report["layout"]["name"] == "af" and [op for op, *_ in transitions] == ["widen_hidden", "upcycle_moe", "split_experts"]
 
 
 def test_the_drawn_recipes_cover_what_the_issue_asks_for():
