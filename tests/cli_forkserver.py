@@ -17,7 +17,8 @@ exit up to its finalization (threads joined, atexit handlers, flushing, an uncau
 traceback and status 1; see _exit_as_the_interpreter for what is skipped and why). It replies
 {"pid": N}, then {"status": S} (waitpid's) when the child ends; if the requester goes away first
 (killed), the child is killed. The server ends when its stdin (a pipe from the test process) closes.
-What a child can tell from a fresh interpreter is only that those modules are in sys.modules already.
+What a child can tell from a fresh interpreter is only that those modules are in sys.modules already,
+and that nothing of its finalization runs after the atexit handlers.
 
 Nothing of growtrain is imported before the fork, so growtrain's import-time reads of the environment
 (GROWTRAIN_*, WANDB_*) see the request's. A request whose environment differs from the server's in a
@@ -101,8 +102,9 @@ def _exit_as_the_interpreter(program, *args) -> None:
     Finalizing (the last garbage collection and the modules' teardown) would walk every object the
     preloads made, ~480k, and write to each one's page, copying it from the server: 1.5 s of CPU per
     child against 0.03 s, measured. What a child skips is what a fresh interpreter does after the
-    atexit handlers: a crash or message there would go unseen here (the wheel's test, the GPU checks
-    and GROWTRAIN_FRESH_INTERPRETERS=1 run fresh interpreters)."""
+    atexit handlers: a crash or message there would go unseen here (the wheel's test, the GPU checks'
+    CPU form, test_expert_parallel's fresh EP 2 and AF runs and GROWTRAIN_FRESH_INTERPRETERS=1 run
+    fresh interpreters)."""
     import atexit
     import threading
     import traceback
