@@ -448,7 +448,6 @@ def test_a_single_process_run_has_no_expert_shards(micro_recipe, tmp_path):
     assert not list(ckpt.glob("experts-*")) and "expert_parallel" not in json.loads((ckpt / "meta.json").read_text())
 
 
-
 @pytest.mark.parametrize("layout", [(), ("--set", "distributed.layout=af", "--set", "distributed.attention_ranks=1")], ids=["ep2", "af_1_plus_1"])
 def test_ranks_started_as_fresh_interpreters_train_grow_and_exit_cleanly(tmp_path, layout):
     """The fork servers' children skip the interpreter's finalization (tests/cli_forkserver.py), where
