@@ -30,8 +30,13 @@ are the same with or without it.
 
 Beside the final losses and the FLOPs ratio (per seed, their mean, and their max), the study
 reports for every growth the held-out loss at the previous stage's end and the worst held-out loss
-of the next 100 steps before the following growth ("excursion", relative), and how far sibling
-experts have moved apart at every stage's end (growtrain/runtime/divergence.py). The JSON line holds
+of the next 100 steps before the following growth ("excursion", relative), beside it the dense
+arm's rise over the same steps (its `control`: the seed model, never grown, on the same batches in
+the same order where every stage has the last stage's batch and sequence length, so what the
+data and the LR do there without a growth), and how far sibling experts have moved apart at every
+stage's end (growtrain/runtime/divergence.py). `--reread` trains nothing: it reads the runs an
+earlier study kept with `--out` (run with the same recipe and options) and prints their results,
+so a study's table can be printed again, or with what the study reports since. The JSON line holds
 `arms`, `grown_minus`, `flops_ratio_per_seed`, `flops_ratio_to_scratch_loss`, `excursions`,
 `sibling_divergence` (of the `grown` arm), `variants` (the same numbers per grown arm) and `grow_at`.
 
@@ -192,11 +197,12 @@ class ArmRun:
     steps: int
     seconds: float
     curve: list[tuple[float, float]]  # (counted FLOPs, held-out loss) at every evaluation
+    evals: list[tuple[int, float]]  # (step, held-out loss) at every evaluation
     excursions: list[dict]  # one per growth transition (held-out loss before it, worst in the next EXCURSION_STEPS)
     siblings: dict  # stage name -> {MoE layer: sibling numbers at the stage's end} (growtrain/runtime/divergence.py)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("curve", "excursions", "siblings")}
+        return {k: v for k, v in asdict(self).items() if k not in ("curve", "evals", "excursions", "siblings")}
 
 
 EXCURSION_STEPS = 100
@@ -222,6 +228,7 @@ def excursions(recipe: Recipe, rows: list[dict]) -> list[dict]:
             "transition": st.name,
             "operators": [g.op for g in st.grow],
             "step": start,
+            "stop": stop,
             "before": b,
             "worst_after": worst,
             "relative": (worst - b) / b,
@@ -229,18 +236,41 @@ def excursions(recipe: Recipe, rows: list[dict]) -> list[dict]:
     return out
 
 
-def train_arm(recipe: Recipe, run_dir: Path) -> ArmRun:
-    from growtrain.train import run  # imported late: `--help` stays instant
+def control(entry: dict, evals: list[tuple[int, float]]) -> dict | None:
+    """The same window as an excursion, `entry`, read from an arm that never grows (the dense
+    arm: the seed model on the same batches, in the same order): its held-out loss at the last
+    evaluation at or before the growth's step, its worst in the window, and the relative rise; None
+    where that arm has no evaluation before the window or none in it. What the grown arm rises
+    beyond it is growth's own part; the rest is the data and the LR at those steps."""
+    before = [loss for step, loss in evals if step <= entry["step"]]
+    after = [loss for step, loss in evals if entry["step"] < step <= entry["stop"]]
+    if not before or not after:
+        return None
+    b, worst = before[-1], max(after)
+    return {"before": b, "worst_after": worst, "relative": (worst - b) / b}
 
+
+def train_arm(recipe: Recipe, run_dir: Path, reread: bool = False) -> ArmRun:
+    """Train `recipe` into `run_dir` and read its results back; with `reread`, only read them
+    (a run that an earlier study kept with --out, trained by this recipe; `seconds` is then 0)."""
     t0 = time.perf_counter()
-    result = run(recipe, run_dir, resume="never", log=lambda msg: None)
-    seconds = time.perf_counter() - t0
+    if reread:
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise SystemExit(f"--reread: {run_dir} holds no finished run (no metrics.jsonl); run the study with --out first")
+    else:
+        from growtrain.train import run  # imported late: `--help` stays instant
+
+        run(recipe, run_dir, resume="never", log=lambda msg: None)
+    seconds = 0.0 if reread else time.perf_counter() - t0
     rows = MetricsFile(run_dir / "metrics.jsonl").read()
+    evals = [(row["step"], row["eval_loss"]) for row in rows if "eval_loss" in row]
     curve = [(row["flops"], row["eval_loss"]) for row in rows if "eval_loss" in row]
     last = rows[-1]
+    if last["step"] != sum(s.steps for s in recipe.stages) or not evals:
+        raise SystemExit(f"{run_dir}: the run ended at step {last['step']} of {sum(s.steps for s in recipe.stages)}, or was never evaluated")
     manager = CheckpointManager(run_dir, CheckpointConfig(), log=lambda msg: None)
     siblings = read_meta(manager.complete_checkpoints()[0]).get("sibling_divergence", {})
-    return ArmRun(recipe.seed, result.final_eval_loss, last["flops"], last["tokens"], last["step"], seconds, curve, excursions(recipe, rows), siblings)
+    return ArmRun(recipe.seed, evals[-1][1], last["flops"], last["tokens"], last["step"], seconds, curve, evals, excursions(recipe, rows), siblings)
 
 
 def flops_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -279,27 +309,27 @@ def variants_of(recipe: Recipe, schedules: list[str]) -> dict[str, Recipe]:
     return out
 
 
-def study(recipe: Recipe, seeds: list[int], out: Path, say, schedules: list[str] = (), grow_at: list[float] = ()) -> dict:
+def study(recipe: Recipe, seeds: list[int], out: Path, say, schedules: list[str] = (), grow_at: list[float] = (), reread: bool = False) -> dict:
     variants = variants_of(recipe, list(schedules))
     runs: dict[str, list[ArmRun]] = {name: [] for name in [*variants, *ARMS[1:]]}
     sweep = []
     for seed in seeds:
         arms = {}
         for name, variant in variants.items():
-            arms[name] = r = train_arm(replace(variant, seed=seed), out / f"seed{seed}" / name)
+            arms[name] = r = train_arm(replace(variant, seed=seed), out / f"seed{seed}" / name, reread)
             say(f"seed {seed}: {name:<13} {r.steps:>5} steps, {r.flops:.3e} FLOPs, held-out {r.final_eval_loss:.4f} ({r.seconds:.0f}s)")
         grown = arms["grown"]
         seeded = replace(recipe, seed=seed)
         final = final_model_config(out / f"seed{seed}" / "grown")
         for arm, shape in (("scratch", full_precision(final)), ("dense", seeded.model.with_changes(vocab_size=final.vocab_size))):
-            arms[arm] = r = train_arm(one_stage(seeded, arm, shape, grown.flops), out / f"seed{seed}" / arm)
+            arms[arm] = r = train_arm(one_stage(seeded, arm, shape, grown.flops), out / f"seed{seed}" / arm, reread)
             say(f"seed {seed}: {arm:<13} {r.steps:>5} steps, {r.flops:.3e} FLOPs, held-out {r.final_eval_loss:.4f} ({r.seconds:.0f}s)")
         for name, r in arms.items():
             runs[name].append(r)
         if seed == seeds[0]:  # when to grow: one seed per point
             for fraction in grow_at:
                 point = grown_at(seeded, fraction, final.vocab_size)
-                r = train_arm(point, out / f"seed{seed}" / f"grow-at-{fraction:g}")
+                r = train_arm(point, out / f"seed{seed}" / f"grow-at-{fraction:g}", reread)
                 ratio = _ratio(r.curve, arms["scratch"])
                 say(f"seed {seed}: grow at {fraction:.0%}: {point.stages[0].steps} seed steps, {r.flops:.3e} FLOPs, held-out {r.final_eval_loss:.4f} ({r.seconds:.0f}s)")
                 sweep.append({"fraction": fraction, "seed": seed, "seed_steps": point.stages[0].steps, **r.to_dict(), "flops_ratio": ratio})
@@ -312,7 +342,8 @@ def study(recipe: Recipe, seeds: list[int], out: Path, say, schedules: list[str]
             "flops_ratio_per_seed": ratios,
             "flops_ratio_to_scratch_loss": _mean_if_all(ratios),
             "minus_dense": [r.final_eval_loss - d.final_eval_loss for r, d in zip(runs[name], dense)],
-            "excursions": [{"seed": r.seed, **e} for r in runs[name] for e in r.excursions],
+            # Each with the dense arm's rise over the same steps ("control"): the seed model on the same batches.
+            "excursions": [{"seed": r.seed, **e, "control": control(e, d.evals)} for r, d in zip(runs[name], dense) for e in r.excursions],
             "sibling_divergence": {str(r.seed): r.siblings for r in runs[name]},
         }
     grown_losses = [r.final_eval_loss for r in runs["grown"]]
@@ -363,14 +394,19 @@ def format_table(result: dict) -> str:
     for name, v in result["variants"].items():
         if not v["excursions"]:
             continue
-        lines.append(f"excursions of {name} (held-out loss before each growth, worst of the next {EXCURSION_STEPS} steps):")
+        lines.append(
+            f"excursions of {name} (held-out loss before each growth, worst of the next {EXCURSION_STEPS} steps; "
+            "the dense arm's rise over the same steps, on the same batches):"
+        )
         by_transition: dict[str, list[dict]] = {}
         for e in v["excursions"]:
             by_transition.setdefault(e["transition"], []).append(e)
         for transition, es in by_transition.items():
             cells = " ".join(f"{e['before']:.3f}->{e['worst_after']:.3f}" for e in es)
             worst = max(e["relative"] for e in es)
-            lines.append(f"  {transition:<10} {'+'.join(es[0]['operators']):<40} worst {worst:+7.2%}   {cells}")
+            controls = [e.get("control") for e in es]
+            dense = " ".join("-" if c is None else f"{c['relative']:+.1%}" for c in controls)
+            lines.append(f"  {transition:<10} {'+'.join(es[0]['operators']):<40} worst {worst:+7.2%}   {cells}   (dense arm, same steps: {dense})")
     for name, v in result["variants"].items():
         per_stage: dict[str, list[dict]] = {}
         for stages in v["sibling_divergence"].values():
@@ -410,8 +446,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE,...",
         help="train every grown arm with this `fresh` section on each growing stage (e.g. warmup_steps=50,lr_mult=0.5; recipe reference: stages.N.fresh)",
     )
+    parser.add_argument(
+        "--reread",
+        action="store_true",
+        help="train nothing: read the runs an earlier study kept in --out (the same recipe and options) and print their results",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     args = parser.parse_args(argv)
+    if args.reread and not args.out:
+        parser.error("--reread reads the runs of an earlier study's --out DIR: give --out")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
@@ -438,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         with contextlib.redirect_stdout(sys.stderr):
-            result = study(recipe, seeds, out, say, schedules, grow_at)
+            result = study(recipe, seeds, out, say, schedules, grow_at, args.reread)
         if args.plot:
             from growtrain.plot import plot_runs
 

@@ -118,6 +118,29 @@ def test_the_study_trains_three_arms_per_seed_at_the_grown_runs_flops(tmp_path, 
     else:
         assert result["flops_ratio_to_scratch_loss"] is None
     assert "seeds 0, 1" in study.format_table(result)
+    # Each excursion beside the dense arm's rise over the same steps, read from that arm's own run.
+    for e in result["excursions"]:
+        dense_evals = [(r["step"], r["eval_loss"]) for r in metrics_rows(tmp_path / "runs" / f"seed{e['seed']}" / "dense") if "eval_loss" in r]
+        assert e["control"] == study.control(e, dense_evals) and e["control"] is not None
+        assert e["control"]["before"] == [loss for step, loss in dense_evals if step <= e["step"]][-1]
+    assert "dense arm, same steps" in study.format_table(result)
+    # --reread trains nothing and reads the same results back from the kept runs.
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("metrics.jsonl")}
+    assert study.main([*args, "--reread"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("metrics.jsonl")} == mtimes
+    strip = lambda r: {**r, "arms": {a: [{**x, "seconds": 0.0} for x in xs] for a, xs in r["arms"].items()}, "grow_at": [{**x, "seconds": 0.0} for x in r["grow_at"]]}
+    assert strip(again) == strip(result)
+    with pytest.raises(SystemExit, match="no finished run"):
+        study.main([*args[:4], "--out", str(tmp_path / "elsewhere"), "--reread"])
+
+
+def test_an_excursions_control_is_the_never_grown_arms_rise_over_the_same_steps():
+    entry = {"step": 100, "stop": 200}
+    evals = [(50, 2.5), (100, 2.0), (150, 2.4), (200, 2.2), (250, 1.0)]
+    assert study.control(entry, evals) == {"before": 2.0, "worst_after": 2.4, "relative": pytest.approx(0.2)}
+    assert study.control(entry, evals[:2]) is None  # none in the window
+    assert study.control({"step": 10, "stop": 40}, evals) is None  # none before the growth, none inside
 
 
 def test_the_scratch_arm_is_the_same_whether_the_grown_run_is_scheduled_per_stage_or_run_wide():
@@ -142,13 +165,14 @@ def test_the_shipped_recipes_are_their_per_stage_versions_under_one_run_wide_wsd
     assert study.run_wide(per_stage, "wsd") == load_recipe(REPO / "recipes" / f"{name}.yaml")
 
 
-def test_the_half_lr_small_recipe_is_the_shipped_small_recipe_with_only_its_lr_halved():
-    """So the half-LR study (docs/results.md) compares one change: benchmarks/recipes/small-lr1.5e-3.yaml."""
+def test_the_half_lr_small_recipe_is_the_per_stage_small_recipe_with_only_its_lr_halved():
+    """So the half-LR study (docs/results.md) compares one change: benchmarks/recipes/small-lr1.5e-3.yaml
+    against the small recipe it ran beside (benchmarks/recipes/small-per-stage.yaml)."""
     from dataclasses import replace
 
     from growtrain.recipe import load_recipe
 
-    shipped, half = load_recipe(REPO / "recipes" / "small.yaml"), load_recipe(REPO / "benchmarks" / "recipes" / "small-lr1.5e-3.yaml")
+    shipped, half = load_recipe(REPO / "benchmarks" / "recipes" / "small-per-stage.yaml"), load_recipe(REPO / "benchmarks" / "recipes" / "small-lr1.5e-3.yaml")
     assert half.optimizer.lr == shipped.optimizer.lr / 2
     assert replace(half, name=shipped.name, optimizer=shipped.optimizer) == shipped
 
