@@ -1,8 +1,9 @@
 """widen_ffn and widen_hidden on NF4 + LoRA experts (issue 46), through the growth driver: exact on
 the codes where the new width keeps the quantization blocks aligned (old codes, absmax, nested
-absmax and offsets byte for byte; Δlogits 0; new neurons exactly zero through the down
-projection), requantized and judged as approximate with the measured bound elsewhere; the LoRA
-pairs and their optimizer state follow. CPU, tiny shapes."""
+absmax and offsets byte for byte; new neurons exactly zero through the down projection, so
+Δlogits is at most the BLAS's rounding of a longer sum), requantized and judged as approximate
+with the measured bound elsewhere; the LoRA pairs and their optimizer state follow. CPU, tiny
+shapes."""
 
 from __future__ import annotations
 
@@ -66,7 +67,12 @@ def test_widen_ffn_zero_on_aligned_nf4_experts_keeps_every_old_code_and_is_exact
     out = grow(model, state, "widen_ffn", WidenFFNArgs(expert_hidden=384))
     (record,) = out.records
     assert record["passed"] and record["exact"], record
-    assert record["metrics"]["max_abs_dlogits"] == 0.0  # new neurons add exactly nothing
+    # The new neurons' terms are exact zeros (their down rows, below), but not bitwise Δlogits 0: the
+    # down projection now sums over 384 neurons, and the CPU's BLAS may order a longer sum another
+    # way. Measured: 0 on the machines before; 6.0e-8 / 7.5e-8 (about one ulp of a logit of 0.45) on an AMD
+    # EPYC, where plain torch's h @ w over 256 vs 384 zero-padded neurons differs by 3 ulps too.
+    # Requantizing (the unaligned case below) moves them by 3.8e-4.
+    assert record["metrics"]["max_abs_dlogits"] <= 1e-6
     assert "dynamics" in record["metrics"] and "values" in record["metrics"]
     experts = out.model.blocks[1].g.ffn.experts
     new = experts.state_dict()
