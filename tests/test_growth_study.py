@@ -172,9 +172,9 @@ def test_the_half_lr_small_recipe_is_the_per_stage_small_recipe_with_only_its_lr
 
     from growtrain.recipe import load_recipe
 
-    shipped, half = load_recipe(REPO / "benchmarks" / "recipes" / "small-per-stage.yaml"), load_recipe(REPO / "benchmarks" / "recipes" / "small-lr1.5e-3.yaml")
-    assert half.optimizer.lr == shipped.optimizer.lr / 2
-    assert replace(half, name=shipped.name, optimizer=shipped.optimizer) == shipped
+    per_stage, half = load_recipe(REPO / "benchmarks" / "recipes" / "small-per-stage.yaml"), load_recipe(REPO / "benchmarks" / "recipes" / "small-lr1.5e-3.yaml")
+    assert half.optimizer.lr == per_stage.optimizer.lr / 2
+    assert replace(half, name=per_stage.name, optimizer=per_stage.optimizer) == per_stage
 
 
 def test_the_split_noise_tiny_recipe_is_the_shipped_tiny_recipe_with_only_router_noise_on_its_splits():
