@@ -263,11 +263,12 @@ def train_arm(recipe: Recipe, run_dir: Path, reread: bool = False) -> ArmRun:
         run(recipe, run_dir, resume="never", log=lambda msg: None)
     seconds = 0.0 if reread else time.perf_counter() - t0
     rows = MetricsFile(run_dir / "metrics.jsonl").read()
-    evals = [(row["step"], row["eval_loss"]) for row in rows if "eval_loss" in row]
-    curve = [(row["flops"], row["eval_loss"]) for row in rows if "eval_loss" in row]
-    last = rows[-1]
-    if last["step"] != sum(s.steps for s in recipe.stages) or not evals:
-        raise SystemExit(f"{run_dir}: the run ended at step {last['step']} of {sum(s.steps for s in recipe.stages)}, or was never evaluated")
+    evaluated = [row for row in rows if "eval_loss" in row]
+    evals = [(row["step"], row["eval_loss"]) for row in evaluated]
+    curve = [(row["flops"], row["eval_loss"]) for row in evaluated]
+    last, total = rows[-1], sum(s.steps for s in recipe.stages)
+    if last["step"] != total or not evals:
+        raise SystemExit(f"{run_dir}: the run ended at step {last['step']} of {total}, or was never evaluated")
     manager = CheckpointManager(run_dir, CheckpointConfig(), log=lambda msg: None)
     siblings = read_meta(manager.complete_checkpoints()[0]).get("sibling_divergence", {})
     return ArmRun(recipe.seed, evals[-1][1], last["flops"], last["tokens"], last["step"], seconds, curve, evals, excursions(recipe, rows), siblings)
